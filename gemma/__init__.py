@@ -1,0 +1,1 @@
+"""Gemma 3 and Gemma 4 text models in Flax NNX."""
