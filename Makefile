@@ -2,17 +2,15 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-# A Python >= 3.12: $(PYTHON) if given, else python3.12/python3.13 on PATH, else pyenv's 3.12.
-PYTHON ?= $(shell for c in python3.12 python3.13 python3; do \
-	  p=$$(PYENV_VERSION=3.12.1 command -v $$c 2>/dev/null) || continue; \
-	  PYENV_VERSION=3.12.1 $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "PYENV_VERSION=3.12.1 $$p"; break; }; \
-	done; \
-	for d in $$HOME/.pyenv/versions/3.12*/bin/python3.12; do [ -x $$d ] && { echo $$d; break; }; done | head -1)
+# A Python >= 3.12: $(PYTHON) if given, else the first found by tools/find_python.sh.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell tools/find_python.sh 2>/dev/null)
+endif
 
 .PHONY: run test fixtures lint format venv gpu-test clean
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
-	@if [ -z "$(PYTHON)" ]; then echo "error: swajax needs Python >= 3.12 (none found on PATH or in pyenv); set PYTHON=/path/to/python3.12" >&2; exit 1; fi
+	@if [ -z "$(PYTHON)" ]; then tools/find_python.sh >/dev/null; exit 1; fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
