@@ -1,0 +1,65 @@
+"""Sampling: greedy, temperature, top-k, top-p against hand-computed distributions; no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from swajax._sampling import SamplingParams, sample
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+
+
+def _freqs(params, n=20000, seed=0):
+    logits = jnp.log(jnp.asarray(PROBS, jnp.float32))[None].repeat(n, 0)
+    tokens = jax.jit(sample)(logits, jax.random.key(seed), **params.as_arrays())
+    return np.bincount(np.asarray(tokens), minlength=4) / n
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(0.0), [1, 0, 0, 0]),
+        (SamplingParams(1.0), PROBS),
+        (SamplingParams(1.0, top_k=2), [0.625, 0.375, 0, 0]),
+        (SamplingParams(1.0, top_p=0.7), [0.625, 0.375, 0, 0]),
+        (SamplingParams(1.0, top_p=0.85), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+        (SamplingParams(1.0, top_k=3, top_p=0.5), [1, 0, 0, 0]),
+    ],
+)
+def test_distribution_matches_hand_computed(params, expected):
+    np.testing.assert_allclose(_freqs(params), expected, atol=0.015)
+
+
+def test_temperature_sharpens():
+    # p_i ** (1/T) renormalised, T = 0.5
+    expected = PROBS**2 / np.sum(PROBS**2)
+    np.testing.assert_allclose(_freqs(SamplingParams(0.5)), expected, atol=0.015)
+
+
+def test_greedy_is_argmax_per_row():
+    logits = jax.random.normal(jax.random.key(1), (8, 50))
+    out = sample(logits, jax.random.key(2), **SamplingParams().as_arrays())
+    np.testing.assert_array_equal(out, np.argmax(np.asarray(logits), -1))
+
+
+def test_changing_parameters_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def f(logits, key, temperature, top_k, top_p):
+        traces.append(1)
+        return sample(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    logits = jnp.zeros((2, 16))
+    for p in [SamplingParams(0.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.9)]:
+        f(logits, jax.random.key(0), **p.as_arrays())
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)]
+)
+def test_bad_parameters_raise(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
