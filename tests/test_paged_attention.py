@@ -1,0 +1,247 @@
+"""Paged attention (reference and Mosaic GPU kernels) against a dense float64 numpy oracle.
+
+Every pool row no query may see is NaN (see `pallas_kernels._testing.make_case`), so a read of
+a BAD, unwritten or out-of-window page poisons the output and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _testing
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+def dense_oracle(case: _testing.PagedCase, *, scale, window=None, softcap=None, decode=False):
+    """Contiguous K/V per sequence, explicit causal + window mask, float64 softmax."""
+    pool = case.pool.astype(np.float64)
+    batch = len(case.kv_lens)
+    page_size = pool.shape[1]
+    num_q_heads = case.q.shape[1]
+    num_kv_heads = pool.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = np.zeros(case.q.shape, np.float64)
+    for b in range(batch):
+        kv_len = int(case.kv_lens[b])
+        q_len = int(case.q_starts[b + 1] - case.q_starts[b])
+        lo = int(case.visible_lo[b])
+        if q_len == 0 or kv_len == 0:
+            continue
+        k = np.zeros((kv_len,) + pool.shape[2:])
+        v = np.zeros_like(k)
+        for j in range(lo, kv_len):  # tokens below `lo` are never visible (and poisoned)
+            k[j] = pool[case.page_table[b, 0, j // page_size], j % page_size] * case.k_scale
+            v[j] = pool[case.page_table[b, 1, j // page_size], j % page_size] * case.v_scale
+        rows = [b] if decode else range(case.q_starts[b], case.q_starts[b + 1])
+        for r, t in enumerate(rows):
+            i = kv_len - q_len + r
+            keys = np.arange(kv_len)
+            ok = keys <= i
+            if window is not None:
+                ok &= i - keys < window
+            for h in range(num_q_heads):
+                kh = h // group
+                s = scale * (k[ok, kh] @ case.q[t, h].astype(np.float64))
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                out[t, h] = (p / p.sum()) @ v[ok, kh]
+    return out
+
+
+def _tol(dtype):
+    return {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}[dtype]
+
+
+def _check(got, want, q_dtype, case=None):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    assert np.all(np.isfinite(got)), "non-finite output: a poisoned page was read"
+    np.testing.assert_allclose(got, want, atol=_tol(q_dtype), rtol=_tol(q_dtype))
+
+
+# fp8 (e4m3) vs bf16 pool: max abs output difference in units of v_scale. e4m3 rounds a
+# unit-normal value in [2, 4) by up to 0.125; a row that sees one token passes it through.
+FP8_ATOL = 0.2
+
+# (q_lens, kv_lens): chunks attending history, pure decode rows, an empty sequence, a full
+# first chunk, an inactive row.
+RAGGED_BATCH = ([3, 1, 0, 7, 5], [19, 40, 9, 7, 21])
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_ragged_reference_gqa_pages(group, page_size):
+    num_kv_heads = 2 if group < 8 else 1
+    case = _testing.make_case(
+        group * 100 + page_size,
+        q_lens=RAGGED_BATCH[0],
+        kv_lens=RAGGED_BATCH[1],
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=128,
+        page_size=page_size,
+        pool_dtype=jnp.float32,
+        q_dtype=jnp.float32,
+        num_tokens=20,
+    )
+    got = ragged_paged_attention_reference(**case.jax_args(), scale=0.1)
+    _check(got, dense_oracle(case, scale=0.1), jnp.float32)
+    assert np.all(np.asarray(got)[16:] == 0)  # padding rows
+
+
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+@pytest.mark.parametrize("window,softcap", [(None, None), (8, None), (5, 20.0), (None, 2.0)])
+def test_ragged_reference_window_softcap(head_dim, window, softcap):
+    case = _testing.make_case(
+        head_dim + (window or 0),
+        q_lens=[4, 1, 6, 0],
+        kv_lens=[37, 50, 6, 3],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        page_size=16,
+        window=window,
+        pool_dtype=jnp.bfloat16,
+        q_dtype=jnp.float32,
+        num_tokens=13,
+    )
+    scale = head_dim**-0.5
+    got = ragged_paged_attention_reference(
+        **case.jax_args(), scale=scale, window=window, softcap=softcap
+    )
+    _check(got, dense_oracle(case, scale=scale, window=window, softcap=softcap), jnp.float32)
+
+
+def test_ragged_reference_bf16_q_output_dtype():
+    case = _testing.make_case(
+        7,
+        q_lens=[2, 3],
+        kv_lens=[33, 3],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=32,
+        num_tokens=8,
+    )
+    got = ragged_paged_attention(**case.jax_args(), scale=0.08, implementation="reference")
+    assert got.dtype == jnp.bfloat16
+    _check(got, dense_oracle(case, scale=0.08), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_fp8_reference_close_to_bf16(window):
+    """fp8 pool with scales: tight against the oracle on the stored values, and within
+    FP8_ATOL * v_scale (max abs; unit-normal stored data) of the same pool kept in bf16."""
+    kw = dict(
+        q_lens=[1, 4, 2],
+        kv_lens=[70, 45, 2],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        window=window,
+        q_dtype=jnp.float32,
+        num_tokens=8,
+        k_scale=0.5,
+        v_scale=0.02,
+    )
+    outs = {}
+    for dtype in (jnp.float8_e4m3fn, jnp.bfloat16):
+        case = _testing.make_case(3, pool_dtype=dtype, **kw)
+        got = ragged_paged_attention_reference(
+            **case.jax_args(),
+            scale=0.1,
+            window=window,
+            k_scale=jnp.float32(case.k_scale),
+            v_scale=jnp.float32(case.v_scale),
+        )
+        _check(got, dense_oracle(case, scale=0.1, window=window), jnp.float32)
+        outs[dtype] = np.asarray(got)
+    err = np.abs(outs[jnp.float8_e4m3fn] - outs[jnp.bfloat16]).max() / kw["v_scale"]
+    assert err < FP8_ATOL, err
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, 30.0)])
+def test_decode_reference(window, softcap):
+    kv_lens = [1, 0, 33, 64, 100]
+    case = _testing.make_case(
+        11,
+        q_lens=[1 if n else 0 for n in kv_lens],
+        kv_lens=kv_lens,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=256,
+        page_size=32,
+        window=window,
+        pool_dtype=jnp.bfloat16,
+        q_dtype=jnp.float32,
+        decode=True,
+    )
+    args = case.jax_args()
+    got = paged_decode_attention_reference(
+        args["q"],
+        args["pool"],
+        args["page_table"],
+        args["kv_lens"],
+        scale=0.0625,
+        window=window,
+        softcap=softcap,
+    )
+    want = dense_oracle(case, scale=0.0625, window=window, softcap=softcap, decode=True)
+    _check(got, want, jnp.float32)
+    assert np.all(np.asarray(got)[1] == 0)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _small():
+    case = _testing.make_case(
+        0,
+        q_lens=[1, 1],
+        kv_lens=[5, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        decode=True,
+    )
+    return case.jax_args()
+
+
+def test_validation_errors():
+    a = _small()
+    q, pool, pt, kv = a["q"], a["pool"], a["page_table"], a["kv_lens"]
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q[:, :3], pool, pt, kv, scale=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(q[..., :64], pool, pt, kv, scale=1.0)
+    with pytest.raises(TypeError, match="int32"):
+        paged_decode_attention(q, pool, pt.astype(jnp.float32), kv, scale=1.0)
+    with pytest.raises(ValueError, match="page_table"):
+        paged_decode_attention(q, pool, pt[:, :1], kv, scale=1.0)
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(q, pool, pt, kv, scale=1.0, window=0)
+    with pytest.raises(ValueError, match="implementation"):
+        paged_decode_attention(q, pool, pt, kv, scale=1.0, implementation="triton")
+    with pytest.raises(TypeError, match="pool dtype"):
+        paged_decode_attention(q, pool.astype(jnp.int8), pt, kv, scale=1.0)
+    with pytest.raises(ValueError, match="q_starts"):
+        ragged_paged_attention(q, pool, pt, jnp.zeros(2, jnp.int32), kv, scale=1.0)
+    with pytest.raises(ValueError, match="tuning"):
+        paged_decode_attention(
+            q, pool, pt, kv, scale=1.0, implementation="reference", pages_per_step=2
+        )
