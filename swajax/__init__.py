@@ -3,3 +3,72 @@
 from swajax._spec import LayerSpec
 
 __all__ = ["LayerSpec"]
+
+# KV memory model: config, layout, state, transforms, scratch, budget.
+from swajax._budget import (  # noqa: E402
+    KVBytes,
+    kv_bytes_per_sequence,
+    kv_quota_bytes,
+    plan_num_slots,
+    quota_for_tokens,
+    request_slots,
+)
+from swajax._config import KVCacheConfig, resolve_scratch_policy  # noqa: E402
+from swajax._layout import (  # noqa: E402
+    Converter,
+    GroupSpec,
+    KVLayout,
+    PoolSpec,
+    make_layout,
+)
+from swajax._scratch import (  # noqa: E402
+    BAD,
+    rotation_pages,
+    scratch_range,
+    stale_range,
+)
+from swajax._state import KVPoolState, init_state  # noqa: E402
+from swajax._transforms import (  # noqa: E402
+    StepMetadata,
+    advance,
+    free_rows,
+    free_slots,
+    layer_page_table,
+    reserve,
+    share_prefix,
+    slots_needed,
+    step_metadata,
+    step_page_tables,
+)
+
+__all__ += [
+    "BAD",
+    "Converter",
+    "GroupSpec",
+    "KVBytes",
+    "KVCacheConfig",
+    "KVLayout",
+    "KVPoolState",
+    "PoolSpec",
+    "StepMetadata",
+    "advance",
+    "free_rows",
+    "free_slots",
+    "init_state",
+    "kv_bytes_per_sequence",
+    "kv_quota_bytes",
+    "layer_page_table",
+    "make_layout",
+    "plan_num_slots",
+    "quota_for_tokens",
+    "request_slots",
+    "reserve",
+    "resolve_scratch_policy",
+    "rotation_pages",
+    "scratch_range",
+    "share_prefix",
+    "slots_needed",
+    "stale_range",
+    "step_metadata",
+    "step_page_tables",
+]

@@ -1,0 +1,288 @@
+"""The KV byte budget: quota, its split into slots per pool group, and per-sequence KV bytes.
+
+Owns (DESIGN.md "Budget"):
+  - `kv_quota_bytes`: the byte quota of all pool roots (max_gpu_total_bytes and/or a fraction of
+    the device's free memory).
+  - `quota_for_tokens` / per-group demand: Q(T) = T*F + min(T, M)*S_ctx + B*R_w, the bytes a
+    batch of B sequences holding T tokens of history with prefill chunk M needs.
+  - `plan_num_slots`: slots per pool group from the quota, split by the pinned `pool_ratio` or by
+    the default ratio (each group's share of Q for the expected batch; the chunked-prefill term
+    always counts, so scratch reuse changes the split and is never inert).
+  - `kv_bytes_per_sequence` / `request_slots`: exact per-sequence slot counts, simulated step by
+    step with the same stale / scratch range formulas as the transforms.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+from swajax._config import KVCacheConfig
+from swajax._layout import KVLayout, make_layout
+from swajax._scratch import ceil_div, scratch_range, scratch_slot_count, stale_range
+from swajax._spec import LayerSpec
+
+DEFAULT_FREE_MEMORY_FRACTION = 0.9
+CPU_FREE_BYTES_CAP = 2 * 1024**3  # without device memory stats (CPU): min(host available, 2 GiB)
+MODES = ("full", "release", "scratch")
+
+
+def device_free_bytes(device=None) -> int:
+    """Free memory of `device` (default: the first JAX device), bytes.
+
+    Uses `device.memory_stats()` (bytes_limit - bytes_in_use) where available (GPU). Otherwise
+    (CPU) the host's available physical memory, capped at CPU_FREE_BYTES_CAP so a CPU run never
+    plans a pool of many GiB.
+    """
+    try:
+        device = jax.devices()[0] if device is None else device
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without stats falls back below
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = CPU_FREE_BYTES_CAP
+    return int(min(avail, CPU_FREE_BYTES_CAP))
+
+
+def kv_quota_bytes(kv_cache_config: KVCacheConfig, device=None) -> int:
+    """Byte quota of all pool roots: max_gpu_total_bytes, fraction * free memory, or the min."""
+    cfg = kv_cache_config
+    fraction = cfg.free_gpu_memory_fraction
+    if cfg.max_gpu_total_bytes is not None and fraction is None:
+        return int(cfg.max_gpu_total_bytes)
+    if fraction is None:
+        fraction = DEFAULT_FREE_MEMORY_FRACTION
+    quota = int(fraction * device_free_bytes(device))
+    if cfg.max_gpu_total_bytes is not None:
+        quota = min(quota, int(cfg.max_gpu_total_bytes))
+    return quota
+
+
+# ----------------------------------------------------------------------------- Q(T)
+
+
+def _bytes_per_token(layout: KVLayout, g: int) -> int:
+    """F_g: bytes one token costs in every layer of group g."""
+    return layout.slot_bytes(g) // layout.page_size
+
+
+def group_demands(
+    layout: KVLayout, total_tokens: int, batch: int, chunk: int, scratch: bool | None = None
+) -> tuple[int, ...]:
+    """Bytes per group for B = batch sequences holding T = total_tokens of history, chunk M.
+
+    Full group: T * F. Sliding group: min(T, M) * S_ctx + B * R_w with
+    R_w = ceil(W/tpb)*tpb*F and S_ctx = F without scratch (the chunk in every layer) or, with
+    scratch, one layer's bytes per token per pool (the chunk rotates through one layer's worth).
+    """
+    scratch = layout.scratch if scratch is None else scratch
+    tpb = layout.page_size
+    out = []
+    for g, group in enumerate(layout.groups):
+        f = _bytes_per_token(layout, g)
+        if not group.is_sliding:
+            out.append(total_tokens * f)
+            continue
+        if scratch:
+            s_ctx = sum(layout.pools[p].bytes_per_token_per_layer() for p in group.pools)
+        else:
+            s_ctx = f
+        r_w = ceil_div(group.window, tpb) * tpb * f
+        out.append(min(total_tokens, chunk) * s_ctx + batch * r_w)
+    return tuple(out)
+
+
+def quota_for_tokens(
+    layout: KVLayout, total_tokens: int, batch: int, chunk: int, scratch: bool | None = None
+) -> int:
+    """Q(T) = T*F + min(T, M)*S_ctx + B*R_w, bytes (DESIGN.md "Budget")."""
+    return sum(group_demands(layout, total_tokens, batch, chunk, scratch))
+
+
+def default_pool_ratio(layout: KVLayout, kv_cache_config: KVCacheConfig) -> tuple[float, ...]:
+    """Each group's share of Q for the expected batch (hints default to the layout's bounds)."""
+    cfg = kv_cache_config
+    batch = cfg.expected_batch_size or layout.max_batch
+    length = cfg.expected_input_length or layout.max_context
+    chunk = cfg.chunk_size or layout.max_chunk
+    demands = group_demands(layout, batch * length, batch, chunk)
+    total = sum(demands)
+    return tuple(d / total for d in demands)
+
+
+def _max_useful_slots(layout: KVLayout, g: int) -> int:
+    """Slots group g can ever hold: every block of every row plus each row's scratch."""
+    return layout.max_batch * (layout.max_blocks + layout.groups[g].scratch_slots)
+
+
+def plan_num_slots(
+    layout: KVLayout, kv_cache_config: KVCacheConfig, quota: int | None = None
+) -> tuple[int, ...]:
+    """Slots per pool group from the quota (default `kv_quota_bytes(kv_cache_config)`).
+
+    The quota is split in bytes by `pool_ratio` (pinned) or `default_pool_ratio`. No group gets
+    more slots than it could ever hold; with the default ratio the bytes a group cannot use go
+    to the others. Raises ValueError when a group would get no slot.
+    """
+    cfg = kv_cache_config
+    quota = kv_quota_bytes(cfg) if quota is None else int(quota)
+    num_groups = len(layout.groups)
+    if cfg.pool_ratio is not None:
+        if len(cfg.pool_ratio) != num_groups:
+            raise ValueError(
+                f"pool_ratio must give one weight per pool group ({num_groups}: "
+                f"{[g.life_cycle for g in layout.groups]}), got {cfg.pool_ratio}"
+            )
+        total = sum(cfg.pool_ratio)
+        ratio = [r / total for r in cfg.pool_ratio]
+        redistribute = False
+    else:
+        ratio = list(default_pool_ratio(layout, cfg))
+        redistribute = True
+    slot_bytes = [layout.slot_bytes(g) for g in range(num_groups)]
+    useful = [_max_useful_slots(layout, g) for g in range(num_groups)]
+    slots = [0] * num_groups
+    open_groups = set(range(num_groups))
+    budget = quota
+    while open_groups:
+        share = sum(ratio[g] for g in open_groups)
+        capped = set()
+        for g in open_groups:
+            slots[g] = int(budget * ratio[g] / share) // slot_bytes[g] if share > 0 else 0
+            if slots[g] >= useful[g]:
+                slots[g] = useful[g]
+                capped.add(g)
+        if not redistribute or not capped:
+            break
+        budget -= sum(slots[g] * slot_bytes[g] for g in capped)
+        open_groups -= capped
+    for g, n in enumerate(slots):
+        if n < 1:
+            raise ValueError(
+                f"KV quota of {quota} bytes gives pool group {g} (life cycle "
+                f"{layout.groups[g].life_cycle}) {n} slots of {slot_bytes[g]} bytes; raise "
+                "max_gpu_total_bytes or free_gpu_memory_fraction, or change pool_ratio"
+            )
+    return tuple(slots)
+
+
+# ----------------------------------------------------------------------------- per sequence
+
+
+class KVBytes(NamedTuple):
+    """KV bytes of one sequence: after its prefill (steady) and at most during it (peak)."""
+
+    steady: int
+    peak: int
+
+
+def _simulate(layout: KVLayout, steps: Sequence[int], mode: str) -> tuple[list[int], list[int]]:
+    """Slots per group held by one row after the last step and at most (after a reserve).
+
+    Mirrors reserve/advance: each step grows h -> cap, blocks outside the scratch range get
+    normal slots, the range gets ceil(|R|*2/min_scale) scratch slots; advance releases
+    stale(h - max_rewind) ("release", "scratch") and the scratch slots.
+    """
+    tpb, rewind = layout.page_size, layout.max_rewind
+    steady, peak = [], []
+    for g, group in enumerate(layout.groups):
+        sliding = group.is_sliding and mode != "full"
+        held: set[int] = set()
+        released_to = 0
+        h, most = 0, 0
+        for n in steps:
+            cap = h + n
+            n_scratch, begin, end = 0, 0, 0
+            if mode == "scratch" and group.is_sliding:
+                begin, end = (
+                    int(x)
+                    for x in scratch_range(h, cap, group.window, group.sink_blocks, tpb, rewind)
+                )
+                if group.scratch_blocks:
+                    end = min(end, begin + group.scratch_blocks)
+                n_scratch = scratch_slot_count(end - begin, layout.min_scale(g))
+            held.update(o for o in range(h // tpb, ceil_div(cap, tpb)) if not begin <= o < end)
+            most = max(most, len(held) + n_scratch)
+            h = cap
+            if sliding:
+                start, stop = (
+                    int(x) for x in stale_range(h - rewind, group.window, group.sink_blocks, tpb)
+                )
+                for o in range(max(start, released_to), stop):
+                    held.discard(o)
+                released_to = max(released_to, stop)
+        steady.append(len(held))
+        peak.append(most)
+    return steady, peak
+
+
+def _chunks(input_len: int, chunk: int) -> list[int]:
+    return [min(chunk, input_len - s) for s in range(0, input_len, chunk)]
+
+
+def request_slots(
+    layout: KVLayout, input_len: int, *, chunk: int | None = None, max_new_tokens: int = 0
+) -> tuple[int, ...]:
+    """Peak slots per group one request needs alone: prefill in chunks, then decode.
+
+    chunk defaults to layout.max_chunk; the mode follows layout.scratch. For admission.
+    """
+    chunk = layout.max_chunk if chunk is None else chunk
+    if input_len < 0 or chunk < 1 or max_new_tokens < 0:
+        raise ValueError(
+            f"need input_len >= 0, chunk >= 1, max_new_tokens >= 0, got {input_len}, {chunk}, "
+            f"{max_new_tokens}"
+        )
+    steps = _chunks(input_len, chunk) + [1] * max_new_tokens
+    _, peak = _simulate(layout, steps, "scratch" if layout.scratch else "release")
+    return tuple(peak)
+
+
+def kv_bytes_per_sequence(
+    layout_or_specs: KVLayout | Sequence[LayerSpec],
+    input_len: int,
+    chunk: int | None = None,
+    mode: str = "scratch",
+    *,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> KVBytes:
+    """KV bytes of one sequence of input_len tokens prefilled in chunks of `chunk` tokens.
+
+    mode: "full" (every layer keeps everything), "release" (out-of-window release), "scratch"
+    (release + SWA scratch reuse). Returns KVBytes(steady, peak): bytes held after the prefill
+    and at most during it (after a step's reserve). From specs, the layout uses kv_cache_config
+    (default KVCacheConfig(): page size 32, bf16); chunk defaults to layout.max_chunk (specs:
+    input_len).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(input_len, int) or input_len < 0:
+        raise ValueError(f"input_len must be an int >= 0, got {input_len!r}")
+    if isinstance(layout_or_specs, KVLayout):
+        layout = layout_or_specs
+    else:
+        layout = make_layout(
+            layout_or_specs,
+            kv_cache_config or KVCacheConfig(),
+            max_context=max(input_len, 1),
+            max_batch=1,
+            max_chunk=max(chunk or input_len, 1),
+            num_slots=1,
+            scratch=mode == "scratch",
+        )
+    chunk = layout.max_chunk if chunk is None else chunk
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    steady, peak = _simulate(layout, _chunks(input_len, chunk), mode)
+    size = [layout.slot_bytes(g) for g in range(len(layout.groups))]
+    return KVBytes(
+        sum(n * b for n, b in zip(steady, size, strict=True)),
+        sum(n * b for n, b in zip(peak, size, strict=True)),
+    )

@@ -1,0 +1,370 @@
+"""The static KV layout: life cycles, pool groups, pools, converters (frozen, hashable).
+
+A `KVLayout` is derived from a tuple of `LayerSpec`s and a `KVCacheConfig` by `make_layout`.
+It holds every static fact of the paged KV cache (shapes, converters, slot counts) and is passed
+as a static (hashable) argument to every transform; the changing data live in `KVPoolState`.
+
+Structure (DESIGN.md section 2):
+  - life cycle `(window, sink_blocks)`: layers sharing a staleness rule.
+  - pool group g: one life cycle with all its pools. The pools of a group share one slot
+    allocator, so one slot id is valid in every pool of the group and a sequence has one base
+    table per group (= per life cycle). `layout.groups[g]`.
+  - pool p: the writer layers of one (life cycle, kv_heads, head_dim) with one pool root
+    `[num_slots * scale, page_size, kv_heads, head_dim]` (KV dtype of the config),
+    `scale = 2 * len(layers)`. Pools of different geometry never share an array shape.
+  - converter of (layer, role): `(pool, scale, layer_offset)`, `layer_offset = 2*j + role` for
+    the layer's position j in its pool; page = slot * scale + layer_offset, V = K + 1.
+    KV-shared layers (spec.kv_source != own index) own no pages and use their writer's converter.
+
+Engine interface (all in `swajax`):
+  layout = make_layout(specs, KVCacheConfig(...), max_context=..., max_batch=...)
+  state = init_state(layout)
+  ok, state = reserve(layout, state, new_tokens)       # i32[batch]; before the forward
+  tables = step_page_tables(layout, state)             # per pool i32[L_p, batch, 2, max_blocks]
+  pool, j = layout.layer_table_index(layer)            # which table serves model layer `layer`
+  meta = step_metadata(layout, state)                  # q_lens, q_starts, kv_lens
+  ... forward writes K/V into state.pools[p] via tables ...
+  state = advance(layout, state)                       # history := cap, out-of-window release
+  state = free_rows(layout, state, rows)               # bool[batch]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from swajax._config import KVCacheConfig, resolve_scratch_policy
+from swajax._scratch import ceil_div, scratch_slot_count
+from swajax._spec import LayerSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Converter:
+    """Base slot -> page of one (layer, role): page = slot * scale + layer_offset."""
+
+    pool: int
+    scale: int
+    layer_offset: int
+
+    def page(self, slot):
+        """The page of base slot `slot` (int or array); BAD passes through unchanged."""
+        return jnp.where(slot == -1, -1, slot * self.scale + self.layer_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """One pool root: the writer layers of one (life cycle, head geometry)."""
+
+    group: int
+    layers: tuple[int, ...]  # model layer indices of the writers, in order (j = position)
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_slots: int
+
+    @property
+    def scale(self) -> int:
+        """Pages per slot: one per (layer, role)."""
+        return 2 * len(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots * self.scale
+
+    def shape(self, page_size: int) -> tuple[int, int, int, int]:
+        """Pool root shape [num_slots * scale, page_size, kv_heads, head_dim]."""
+        return (self.num_pages, page_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_token_per_layer(self) -> int:
+        """K + V bytes of one token of one layer of this pool."""
+        return 2 * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """A pool group: one life cycle, its pools, one slot allocator."""
+
+    window: int | None
+    sink_blocks: int
+    pools: tuple[int, ...]
+    num_slots: int
+    scratch_slots: int  # S: static per-row capacity of scratch slot ids (0 without scratch)
+    scratch_blocks: int  # static per-row bound of |R|; longer scratch ranges are truncated
+
+    @property
+    def life_cycle(self) -> tuple[int | None, int]:
+        return (self.window, self.sink_blocks)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Static facts of the paged KV cache; hashable, so usable as a jit static argument.
+
+    Attributes:
+      layer_specs: the model's per-layer specs.
+      page_size: tokens per block (tpb).
+      max_batch: rows of the batch axis of every per-row array.
+      max_context: longest sequence (history + new tokens), tokens.
+      max_chunk: static bound on new tokens per row per step used to size scratch descriptors.
+      max_rewind: see `KVCacheConfig.max_rewind`.
+      dtype: KV dtype name of every pool root.
+      page_table_mode: "per_layer" or "shared".
+      scratch: whether SWA scratch reuse is on (resolved policy).
+      groups: pool groups (one per life cycle that owns pages), in order of first layer.
+      pools: pool roots, in order of first layer.
+      layer_pool: per model layer, (pool, j) of the pages it reads (the writer's for KV-shared
+        layers).
+    """
+
+    layer_specs: tuple[LayerSpec, ...]
+    page_size: int
+    max_batch: int
+    max_context: int
+    max_chunk: int
+    max_rewind: int
+    dtype: str
+    page_table_mode: str
+    scratch: bool
+    groups: tuple[GroupSpec, ...]
+    pools: tuple[PoolSpec, ...]
+    layer_pool: tuple[tuple[int, int], ...]
+
+    @property
+    def max_blocks(self) -> int:
+        return ceil_div(self.max_context, self.page_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_specs)
+
+    def layer_table_index(self, layer: int) -> tuple[int, int]:
+        """(pool, j): model layer `layer` uses `step_page_tables(...)[pool][j]`."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return self.layer_pool[layer]
+
+    def converter(self, layer: int, role: int) -> Converter:
+        """Converter (pool, scale, layer_offset) of (layer, role); role 0 = K, 1 = V."""
+        if role not in (0, 1):
+            raise ValueError(f"role must be 0 (K) or 1 (V), got {role}")
+        pool, j = self.layer_table_index(layer)
+        return Converter(pool, self.pools[pool].scale, 2 * j + role)
+
+    def is_writer(self, layer: int) -> bool:
+        return self.layer_specs[layer].kv_source == layer
+
+    def slot_bytes(self, group: int) -> int:
+        """Bytes of one slot of group `group` (over all its pools)."""
+        return sum(
+            self.pools[p].scale * self.page_size * self.pools[p].bytes_per_token_per_layer() // 2
+            for p in self.groups[group].pools
+        )
+
+    def pool_bytes(self) -> int:
+        """Bytes of all pool roots."""
+        return sum(g.num_slots * self.slot_bytes(i) for i, g in enumerate(self.groups))
+
+    def min_scale(self, group: int) -> int:
+        return min(self.pools[p].scale for p in self.groups[group].pools)
+
+
+def _validate_specs(layer_specs) -> tuple[LayerSpec, ...]:
+    specs = tuple(layer_specs)
+    if not specs:
+        raise ValueError("layer_specs must name at least one layer")
+    for i, s in enumerate(specs):
+        if not isinstance(s, LayerSpec):
+            raise TypeError(f"layer_specs[{i}] must be a LayerSpec, got {type(s).__name__}")
+        w = s.kv_source
+        if w == i:
+            continue
+        if not 0 <= w < i:
+            raise ValueError(
+                f"layer {i} reads KV of layer {w}: a KV-shared layer's kv_source must be an "
+                f"earlier layer, in [0, {i})"
+            )
+        writer = specs[w]
+        if writer.kv_source != w:
+            raise ValueError(
+                f"layer {i} reads KV of layer {w}, which itself reads layer {writer.kv_source}; "
+                "kv_source must name a layer that writes its own KV"
+            )
+        if (s.num_kv_heads, s.head_dim, s.life_cycle) != (
+            writer.num_kv_heads,
+            writer.head_dim,
+            writer.life_cycle,
+        ):
+            raise ValueError(
+                f"layer {i} reads KV of layer {w} but differs in (kv_heads, head_dim, "
+                f"life cycle): {(s.num_kv_heads, s.head_dim, s.life_cycle)} vs "
+                f"{(writer.num_kv_heads, writer.head_dim, writer.life_cycle)}"
+            )
+    return specs
+
+
+def _check_shared_kv_scratch(specs, layer_pool, pools) -> None:
+    """With scratch on, a reader's writer must be the last scratch writer of its pool before it.
+
+    Rotation makes writers of one pool overwrite each other's scratch pages (at other block
+    positions), so a writer w's scratch pages are intact for reader r only if no other writer of
+    the same pool runs in between (layers run in index order).
+    """
+    for r, s in enumerate(specs):
+        w = s.kv_source
+        if w == r or s.window is None:
+            continue
+        pool, _ = layer_pool[w]
+        between = [l for l in pools[pool].layers if w < l < r]
+        if between:
+            raise ValueError(
+                f"with SWA scratch reuse on, KV-shared layer {r} reads layer {w}, but layers "
+                f"{between} of the same pool write scratch in between and may overwrite its "
+                "pages; the writer must be the last scratch-writing layer of its life cycle "
+                "before any reader (or set enable_swa_scratch_reuse=False)"
+            )
+
+
+def make_layout(
+    layer_specs: Sequence[LayerSpec],
+    kv_cache_config: KVCacheConfig | None = None,
+    *,
+    max_context: int,
+    max_batch: int | None = None,
+    max_chunk: int | None = None,
+    num_slots: int | Sequence[int] | None = None,
+    scratch: bool | None = None,
+) -> KVLayout:
+    """Builds the layout of a model's KV cache.
+
+    Args:
+      layer_specs: one `LayerSpec` per model layer, in execution order.
+      kv_cache_config: user settings (default `KVCacheConfig()`).
+      max_context: longest sequence, tokens (history + new tokens of a step).
+      max_batch: rows of the batch; default `kv_cache_config.max_batch` (one must be given).
+      max_chunk: bound on new tokens per row per step for scratch descriptors; default
+        `kv_cache_config.chunk_size`, else max_context.
+      num_slots: slots per pool group, or one int for every group (overrides the byte budget;
+        tests and tools). Default: the budget (`swajax._budget.plan_num_slots`).
+      scratch: the resolved scratch policy; None -> `resolve_scratch_policy(kv_cache_config)`
+        for a text model with a per-layer backend.
+
+    Raises:
+      ValueError: on inconsistent specs or settings, a KV-shared reader whose writer's scratch
+        pages may be overwritten before it runs, or a budget too small for one slot per group.
+    """
+    cfg = KVCacheConfig() if kv_cache_config is None else kv_cache_config
+    if not isinstance(cfg, KVCacheConfig):
+        raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {type(cfg).__name__}")
+    specs = _validate_specs(layer_specs)
+    if not isinstance(max_context, int) or max_context < 1:
+        raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
+    max_batch = cfg.max_batch if max_batch is None else max_batch
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ValueError(
+            "max_batch must be an int >= 1 (argument or KVCacheConfig.max_batch), got "
+            f"{max_batch!r}"
+        )
+    if max_chunk is None:
+        max_chunk = min(cfg.chunk_size or max_context, max_context)
+    if not isinstance(max_chunk, int) or max_chunk < 1:
+        raise ValueError(f"max_chunk must be an int >= 1, got {max_chunk!r}")
+    if scratch is None:
+        scratch = resolve_scratch_policy(cfg)
+    elif scratch and cfg.page_table_mode != "per_layer":
+        raise ValueError(
+            "SWA scratch reuse needs page_table_mode='per_layer', got "
+            f"page_table_mode={cfg.page_table_mode!r}"
+        )
+    scratch = bool(scratch)
+    page_size = cfg.page_size
+    dtype = cfg.dtype.name
+
+    life_cycles: list[tuple[int | None, int]] = []
+    pool_keys: list[tuple[tuple[int | None, int], int, int]] = []
+    pool_layers: list[list[int]] = []
+    writer_pool: dict[int, tuple[int, int]] = {}
+    for i, s in enumerate(specs):
+        if s.kv_source != i:
+            continue
+        if s.life_cycle not in life_cycles:
+            life_cycles.append(s.life_cycle)
+        key = (s.life_cycle, s.num_kv_heads, s.head_dim)
+        if key not in pool_keys:
+            pool_keys.append(key)
+            pool_layers.append([])
+        p = pool_keys.index(key)
+        writer_pool[i] = (p, len(pool_layers[p]))
+        pool_layers[p].append(i)
+    layer_pool = tuple(writer_pool[s.kv_source] for s in specs)
+
+    group_pools = [
+        tuple(p for p, key in enumerate(pool_keys) if key[0] == lc) for lc in life_cycles
+    ]
+    max_chunk_blocks = ceil_div(max_chunk, page_size)
+    groups = []
+    for lc, pools_of in zip(life_cycles, group_pools, strict=True):
+        min_scale = min(2 * len(pool_layers[p]) for p in pools_of)
+        if scratch and lc[0] is not None:
+            n_scratch = scratch_slot_count(max_chunk_blocks, min_scale)
+            # every slot of a row's scratch serves scale/2 blocks in each pool of the group
+            scratch_blocks = n_scratch * min_scale // 2
+        else:
+            n_scratch = scratch_blocks = 0
+        groups.append(GroupSpec(lc[0], lc[1], pools_of, 0, n_scratch, scratch_blocks))
+
+    pools = tuple(
+        PoolSpec(life_cycles.index(key[0]), tuple(pool_layers[p]), key[1], key[2], dtype, 0)
+        for p, key in enumerate(pool_keys)
+    )
+    if scratch:
+        _check_shared_kv_scratch(specs, layer_pool, pools)
+
+    layout = KVLayout(
+        layer_specs=specs,
+        page_size=page_size,
+        max_batch=max_batch,
+        max_context=max_context,
+        max_chunk=max_chunk,
+        max_rewind=cfg.max_rewind,
+        dtype=dtype,
+        page_table_mode=cfg.page_table_mode,
+        scratch=scratch,
+        groups=tuple(groups),
+        pools=pools,
+        layer_pool=layer_pool,
+    )
+    if num_slots is None:
+        from swajax._budget import plan_num_slots  # the budget reads the slot-free layout
+
+        num_slots = plan_num_slots(layout, cfg)
+    return with_num_slots(layout, num_slots)
+
+
+def with_num_slots(layout: KVLayout, num_slots: int | Sequence[int]) -> KVLayout:
+    """The layout with `num_slots[g]` slots in pool group g (each >= 1; an int: every group)."""
+    if isinstance(num_slots, int) and not isinstance(num_slots, bool):
+        num_slots = (num_slots,) * len(layout.groups)
+    num_slots = tuple(num_slots)
+    if len(num_slots) != len(layout.groups):
+        raise ValueError(
+            f"num_slots must give one count per pool group ({len(layout.groups)} groups: "
+            f"{[g.life_cycle for g in layout.groups]}), got {num_slots}"
+        )
+    for g, n in enumerate(num_slots):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_slots[{g}] must be an int >= 1, got {n!r}")
+    groups = tuple(
+        dataclasses.replace(g, num_slots=n) for g, n in zip(layout.groups, num_slots, strict=True)
+    )
+    pools = tuple(dataclasses.replace(p, num_slots=num_slots[p.group]) for p in layout.pools)
+    return dataclasses.replace(layout, groups=groups, pools=pools)

@@ -1,0 +1,415 @@
+"""Pure bookkeeping transforms of the KV pool: `op(layout, state, ...) -> state | (out, state)`.
+
+Every transform is jit-compilable with `layout` static (hashable) and every changing value an
+array: one compilation serves every call of the same layout. Failures are values (`ok`, with
+the state returned unchanged and no slot leaked) or ValueError at trace time.
+
+The transforms never touch the pool roots (they pass them through); donate the state at the
+jit boundary of a step so that XLA neither copies a pool root nor keeps two alive.
+
+Axis names: B batch rows, NB blocks per row, N slots of a group, S scratch slots per row,
+G pool groups, L layers of a pool.
+
+A step of the engine:
+  ok, state = reserve(layout, state, new_tokens)   # grow each row h -> cap = h + n
+  tables = step_page_tables(layout, state)         # per pool i32[L_p, B, 2, NB]
+  meta = step_metadata(layout, state)              # q_lens, q_starts, kv_lens (= cap)
+  ...attention: layer l uses layer_page_table(layout, tables, l) on state.pools[pool]...
+  state = advance(layout, state)                   # history := cap; release stale + scratch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.page_table_gather import page_table_gather
+from swajax._layout import KVLayout
+from swajax._scratch import BAD, ceil_div, scratch_range, scratch_slot_count, stale_range
+from swajax._state import KVPoolState
+
+__all__ = [
+    "StepMetadata",
+    "advance",
+    "free_rows",
+    "free_slots",
+    "layer_page_table",
+    "reserve",
+    "share_prefix",
+    "slots_needed",
+    "step_metadata",
+    "step_page_tables",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _rows(layout: KVLayout, x, name: str, dtype=jnp.int32) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.shape != (layout.max_batch,):
+        raise ValueError(f"{name} must have shape [max_batch={layout.max_batch}], got {x.shape}")
+    if dtype == jnp.bool_:
+        if x.dtype != jnp.bool_:
+            raise TypeError(f"{name} must be bool, got {x.dtype}")
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+    return x.astype(jnp.int32)
+
+
+def _scalar(x, name: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.shape != () or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer scalar (array), got {x.dtype}{x.shape}")
+    return x.astype(jnp.int32)
+
+
+def _blocks(layout: KVLayout) -> jax.Array:
+    return jnp.arange(layout.max_blocks, dtype=jnp.int32)[None, :]  # [1, NB]
+
+
+def _allocate(stack, count, refcount, need):
+    """Pops one slot per True of `need` (flat, in order); returns (slots, total, count, refcount).
+
+    Request r takes stack[count - 1 - r]. If total > count the results are garbage: callers
+    check `total <= count` and discard the new state.
+    """
+    n = stack.shape[0]
+    need_i = need.astype(jnp.int32)
+    rank = jnp.cumsum(need_i) - need_i
+    total = jnp.sum(need_i)
+    slots = jnp.where(need, stack[jnp.clip(count - 1 - rank, 0, n - 1)], BAD)
+    refcount = refcount.at[jnp.where(need, slots, n)].set(1, mode="drop")
+    return slots, total, count - total, refcount
+
+
+def _release(stack, count, refcount, slots, mask):
+    """Drops one reference per True of `mask`; slots reaching 0 are pushed once on the stack."""
+    n = stack.shape[0]
+    slots = slots.reshape(-1)
+    mask = mask.reshape(-1) & (slots != BAD)
+    idx = jnp.where(mask, slots, n)
+    refcount = refcount.at[idx].add(-1, mode="drop")
+    # a slot named by several candidates (shared prefix freed by two rows) is pushed by the last
+    cand = jnp.arange(slots.shape[0], dtype=jnp.int32)
+    winner = jnp.full((n,), -1, jnp.int32).at[idx].max(cand, mode="drop")
+    safe = jnp.clip(slots, 0, n - 1)
+    push = mask & (refcount[safe] == 0) & (winner[safe] == cand)
+    push_i = push.astype(jnp.int32)
+    rank = jnp.cumsum(push_i) - push_i
+    stack = stack.at[jnp.where(push, count + rank, n)].set(slots, mode="drop")
+    return stack, count + jnp.sum(push_i), refcount
+
+
+def _select(ok, new: KVPoolState, old: KVPoolState) -> KVPoolState:
+    """`new` where ok else `old`, bookkeeping only (pool roots are never changed here)."""
+    picked = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new.bookkeeping(), old.bookkeeping())
+    return dataclasses.replace(old, **picked)
+
+
+class _GroupPlan(NamedTuple):
+    need: jax.Array  # bool[B, NB] blocks that get a new normal slot
+    need_scratch: jax.Array  # bool[B, S] scratch slots to allocate
+    begin: jax.Array  # i32[B] scratch range begin (== end when empty)
+    end: jax.Array  # i32[B]
+    total: jax.Array  # i32[] slots this group must hand out
+
+
+class _Plan(NamedTuple):
+    grow: jax.Array  # bool[B]
+    row_ok: jax.Array  # bool[B]
+    cap: jax.Array  # i32[B]
+    groups: tuple[_GroupPlan, ...]
+
+
+def _plan_reserve(layout: KVLayout, state: KVPoolState, n: jax.Array) -> _Plan:
+    tpb = layout.page_size
+    h, c = state.history, state.cap
+    grow = n > 0
+    row_ok = (n >= 0) & (~grow | (c == h)) & (h + n <= layout.max_context)
+    cap = jnp.where(grow, h + n, c)
+    blk = _blocks(layout)
+    lo = (h // tpb)[:, None]  # the partial block of history (if any) is already held
+    hi = ceil_div(cap, tpb)[:, None]
+    plans = []
+    for g, group in enumerate(layout.groups):
+        base = state.base_tables[g]
+        zero = jnp.zeros_like(h)
+        if layout.scratch and group.is_sliding and group.scratch_slots > 0:
+            begin, end = scratch_range(
+                h, cap, group.window, group.sink_blocks, tpb, layout.max_rewind, xp=jnp
+            )
+            # beyond the static per-row capacity the range simply stays in normal pages
+            end = jnp.minimum(end, begin + group.scratch_blocks)
+            begin, end = jnp.where(grow, begin, zero), jnp.where(grow, end, zero)
+            n_scratch = scratch_slot_count(end - begin, layout.min_scale(g))
+        else:
+            begin = end = n_scratch = zero
+        in_scratch = (blk >= begin[:, None]) & (blk < end[:, None])
+        need = grow[:, None] & (blk >= lo) & (blk < hi) & ~in_scratch & (base == BAD)
+        s_idx = jnp.arange(group.scratch_slots, dtype=jnp.int32)[None, :]
+        need_scratch = s_idx < n_scratch[:, None]
+        total = jnp.sum(need.astype(jnp.int32)) + jnp.sum(need_scratch.astype(jnp.int32))
+        plans.append(_GroupPlan(need, need_scratch, begin, end, total))
+    return _Plan(grow, row_ok, cap, tuple(plans))
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def reserve(layout: KVLayout, state: KVPoolState, new_tokens) -> tuple[jax.Array, KVPoolState]:
+    """Reserves the blocks of this step's chunk: row b grows from history h to cap = h + n_b.
+
+    Args:
+      new_tokens: i32[B] new tokens per row this step (0: the row does not grow).
+
+    Blocks [floor(h/tpb), ceil(cap/tpb)) outside the row's scratch range get normal slots (those
+    already held are kept); the scratch range (DESIGN.md: stale(cap - max_rewind) ∩
+    [ceil(h/tpb), ceil(cap/tpb)), at most group.scratch_blocks long) gets
+    ceil(|R| * 2 / scale) scratch slots and stays BAD in the base table.
+
+    Returns:
+      (ok, state): ok bool[] is False, and the state unchanged, if any row fails (n_b < 0,
+      cap > max_context, a growing row with a step already in flight) or a group lacks free
+      slots. All or nothing per call.
+    """
+    n = _rows(layout, new_tokens, "new_tokens")
+    plan = _plan_reserve(layout, state, n)
+    ok = jnp.all(plan.row_ok)
+    b, nb = layout.max_batch, layout.max_blocks
+    grow = plan.grow[:, None]
+    stacks, counts, refcounts, bases, ranges, scratch = [], [], [], [], [], []
+    for g, gp in enumerate(plan.groups):
+        count = state.free_count[g]
+        request = jnp.concatenate([gp.need.reshape(-1), gp.need_scratch.reshape(-1)])
+        slots, total, new_count, refcount = _allocate(
+            state.free_stack[g], count, state.refcount[g], request
+        )
+        ok &= total <= count
+        stacks.append(state.free_stack[g])
+        counts.append(new_count)
+        refcounts.append(refcount)
+        bases.append(jnp.where(gp.need, slots[: b * nb].reshape(b, nb), state.base_tables[g]))
+        scratch_slots = slots[b * nb :].reshape(b, layout.groups[g].scratch_slots)
+        scratch.append(jnp.where(grow, scratch_slots, state.scratch_slots[g]))
+        has = (gp.end > gp.begin)[:, None]
+        rng = jnp.stack([gp.begin, gp.end], axis=1)
+        ranges.append(
+            jnp.where(grow, jnp.where(has, rng, BAD), state.scratch_range[g]).astype(jnp.int32)
+        )
+    new = dataclasses.replace(
+        state,
+        free_stack=tuple(stacks),
+        free_count=jnp.stack(counts).astype(jnp.int32),
+        refcount=tuple(refcounts),
+        base_tables=tuple(bases),
+        cap=plan.cap,
+        scratch_range=tuple(ranges),
+        scratch_slots=tuple(scratch),
+    )
+    return ok, _select(ok, new, state)
+
+
+def advance(layout: KVLayout, state: KVPoolState, new_history=None) -> KVPoolState:
+    """Ends the step: history := cap (or new_history), then releases what is no longer needed.
+
+    Args:
+      new_history: optional i32[B] accepted history per row, clamped to [history, cap]
+        (speculative decoding rolls back at most max_rewind tokens); default cap.
+
+    Out-of-window release: per sliding group, blocks in stale(history - max_rewind) become BAD and
+    drop one reference (slot back to the free stack at 0). Every row's scratch slots are released
+    and its scratch range cleared. Blocks reserved past a rolled-back history stay held (the next
+    reserve reuses them).
+    """
+    h, c = state.history, state.cap
+    hn = c if new_history is None else jnp.clip(_rows(layout, new_history, "new_history"), h, c)
+    blk = _blocks(layout)
+    stacks, counts, refcounts, bases = [], [], [], []
+    for g, group in enumerate(layout.groups):
+        base = state.base_tables[g]
+        if group.is_sliding:
+            start, end = stale_range(
+                hn - layout.max_rewind, group.window, group.sink_blocks, layout.page_size, jnp
+            )
+            release = (blk >= start[:, None]) & (blk < end[:, None]) & (base != BAD)
+        else:
+            release = jnp.zeros(base.shape, jnp.bool_)
+        sslots = state.scratch_slots[g]
+        stack, count, refcount = _release(
+            state.free_stack[g],
+            state.free_count[g],
+            state.refcount[g],
+            jnp.concatenate([base.reshape(-1), sslots.reshape(-1)]),
+            jnp.concatenate([release.reshape(-1), (sslots != BAD).reshape(-1)]),
+        )
+        stacks.append(stack)
+        counts.append(count)
+        refcounts.append(refcount)
+        bases.append(jnp.where(release, BAD, base))
+    return dataclasses.replace(
+        state,
+        free_stack=tuple(stacks),
+        free_count=jnp.stack(counts).astype(jnp.int32),
+        refcount=tuple(refcounts),
+        base_tables=tuple(bases),
+        history=hn,
+        cap=hn,
+        scratch_range=tuple(jnp.full_like(r, BAD) for r in state.scratch_range),
+        scratch_slots=tuple(jnp.full_like(s, BAD) for s in state.scratch_slots),
+    )
+
+
+def free_rows(layout: KVLayout, state: KVPoolState, rows) -> KVPoolState:
+    """Frees the sequences of the rows where `rows` (bool[B]) is True.
+
+    Every held block drops one reference (shared prefix blocks stay with their other owners),
+    scratch slots are released, and the rows become empty (history = cap = 0, tables BAD).
+    """
+    rows = _rows(layout, rows, "rows", jnp.bool_)
+    r2 = rows[:, None]
+    stacks, counts, refcounts, bases, ranges, scratch = [], [], [], [], [], []
+    for g in range(len(layout.groups)):
+        base, sslots = state.base_tables[g], state.scratch_slots[g]
+        stack, count, refcount = _release(
+            state.free_stack[g],
+            state.free_count[g],
+            state.refcount[g],
+            jnp.concatenate([base.reshape(-1), sslots.reshape(-1)]),
+            jnp.concatenate([(r2 & (base != BAD)).reshape(-1), (r2 & (sslots != BAD)).reshape(-1)]),
+        )
+        stacks.append(stack)
+        counts.append(count)
+        refcounts.append(refcount)
+        bases.append(jnp.where(r2, BAD, base))
+        ranges.append(jnp.where(r2, BAD, state.scratch_range[g]))
+        scratch.append(jnp.where(r2, BAD, sslots))
+    return dataclasses.replace(
+        state,
+        free_stack=tuple(stacks),
+        free_count=jnp.stack(counts).astype(jnp.int32),
+        refcount=tuple(refcounts),
+        base_tables=tuple(bases),
+        history=jnp.where(rows, 0, state.history),
+        cap=jnp.where(rows, 0, state.cap),
+        scratch_range=tuple(ranges),
+        scratch_slots=tuple(scratch),
+    )
+
+
+def share_prefix(
+    layout: KVLayout, state: KVPoolState, src, dst, num_tokens
+) -> tuple[jax.Array, KVPoolState]:
+    """Gives empty row `dst` the first whole blocks of row `src`'s history, refcounted.
+
+    Args:
+      src, dst: i32[] row indices (different).
+      num_tokens: i32[] prefix length wanted; rounded down to whole blocks and to src's history,
+        so dst's history becomes k = floor(min(num_tokens, history[src]) / tpb) * tpb.
+
+    Only the blocks dst can still read (outside stale(k - max_rewind)) are shared; each gains a
+    reference. Returns (ok, state); ok is False and the state unchanged when dst is not empty,
+    src == dst, an index is out of range, or a needed block of src was released or
+    scratch-backed (BAD).
+    """
+    src, dst, want = _scalar(src, "src"), _scalar(dst, "dst"), _scalar(num_tokens, "num_tokens")
+    b, tpb = layout.max_batch, layout.page_size
+    ok = (src >= 0) & (src < b) & (dst >= 0) & (dst < b) & (src != dst) & (want >= 0)
+    src, dst = jnp.clip(src, 0, b - 1), jnp.clip(dst, 0, b - 1)
+    k = (jnp.minimum(want, state.history[src]) // tpb) * tpb
+    ok &= (state.history[dst] == 0) & (state.cap[dst] == 0)
+    blk = _blocks(layout)[0]
+    refcounts, bases = [], []
+    for g, group in enumerate(layout.groups):
+        base = state.base_tables[g]
+        ok &= jnp.all(base[dst] == BAD) & jnp.all(state.scratch_slots[g][dst] == BAD)
+        row = base[src]
+        needed = blk < k // tpb
+        if group.is_sliding:
+            start, end = stale_range(
+                k - layout.max_rewind, group.window, group.sink_blocks, tpb, jnp
+            )
+            needed &= ~((blk >= start) & (blk < end))
+        ok &= jnp.all(~needed | (row != BAD))
+        copy = needed & (row != BAD)
+        n = state.refcount[g].shape[0]
+        refcounts.append(state.refcount[g].at[jnp.where(copy, row, n)].add(1, mode="drop"))
+        bases.append(base.at[dst].set(jnp.where(copy, row, BAD)))
+    new = dataclasses.replace(
+        state,
+        refcount=tuple(refcounts),
+        base_tables=tuple(bases),
+        history=state.history.at[dst].set(k),
+        cap=state.cap.at[dst].set(k),
+    )
+    return ok, _select(ok, new, state)
+
+
+# ----------------------------------------------------------------------------- queries
+
+
+def free_slots(layout: KVLayout, state: KVPoolState) -> jax.Array:
+    """i32[G] free slots per pool group."""
+    del layout
+    return state.free_count
+
+
+def slots_needed(layout: KVLayout, state: KVPoolState, new_tokens) -> jax.Array:
+    """i32[G] slots `reserve(layout, state, new_tokens)` would take from each group."""
+    plan = _plan_reserve(layout, state, _rows(layout, new_tokens, "new_tokens"))
+    return jnp.stack([gp.total for gp in plan.groups]).astype(jnp.int32)
+
+
+class StepMetadata(NamedTuple):
+    """Ragged-batch metadata of the step in flight (KERNEL_API.md conventions)."""
+
+    q_lens: jax.Array  # i32[B] new tokens per row (cap - history)
+    q_starts: jax.Array  # i32[B + 1] cumulative starts of each row's packed new tokens
+    kv_lens: jax.Array  # i32[B] context length after the step (cap)
+
+
+def step_metadata(layout: KVLayout, state: KVPoolState) -> StepMetadata:
+    """q_lens, q_starts (rows packed in batch order) and kv_lens = cap of the step in flight."""
+    del layout
+    q_lens = state.cap - state.history
+    q_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens).astype(jnp.int32)])
+    return StepMetadata(q_lens, q_starts, state.cap)
+
+
+def step_page_tables(
+    layout: KVLayout, state: KVPoolState, *, implementation: str = "auto"
+) -> tuple[jax.Array, ...]:
+    """Page tables of the step in flight, one array per pool.
+
+    page_table_mode "per_layer": pool p's entry is i32[L_p, B, 2, NB], [j] the table of the
+    pool's layer j (scratch rotation included). "shared": i32[1, B, 2, NB], the table of layer
+    j = 0; layer j adds its offset 2*j (see `layer_page_table`). Only blocks < ceil(cap/tpb) are
+    set; BAD elsewhere.
+    """
+    tables = []
+    for pool in layout.pools:
+        g = pool.group
+        t = page_table_gather(
+            state.base_tables[g],
+            state.cap,
+            state.scratch_range[g],
+            state.scratch_slots[g],
+            num_layers=pool.num_layers,
+            page_size=layout.page_size,
+            implementation=implementation,
+        )
+        tables.append(t if layout.page_table_mode == "per_layer" else t[:1])
+    return tuple(tables)
+
+
+def layer_page_table(layout: KVLayout, tables, layer: int) -> jax.Array:
+    """i32[B, 2, NB]: the page table model layer `layer` reads (the writer's for KV-shared)."""
+    pool, j = layout.layer_table_index(layer)
+    t = tables[pool]
+    if layout.page_table_mode == "per_layer":
+        return t[j]
+    return jnp.where(t[0] == BAD, BAD, t[0] + 2 * j)
