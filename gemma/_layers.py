@@ -1,0 +1,262 @@
+"""Building blocks of the Gemma 3 / Gemma 4 decoder: norms, RoPE, attention projections,
+MLP, mixture of experts and the decoder block.
+
+Parameters are stored as einsum-ready arrays (no biases):
+q_proj [D, N, H], k_proj / v_proj [D, K, H], o_proj [N, H, D], MLP gate/up
+[D, F] and down [F, D], experts gate/up [E, D, F] and down [E, F, D].
+
+Axes: B batch (absent in the packed form), T tokens, D model width, N query
+heads, K KV heads, H head dim, F MLP width, E experts, P per-layer-input width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemma._config import RopeConfig, TransformerConfig
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array saved with the parameters (HF `nn.Buffer`, e.g. layer_scalar)."""
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; statistics in float32, output in the input dtype.
+
+    Gemma 3 multiplies by (1 + scale) (scale initialised to 0), Gemma 4 by scale
+    (initialised to 1).
+    """
+
+    def __init__(self, dim: int, *, eps: float, plus_one: bool, param_dtype):
+        self.eps = eps
+        self.plus_one = plus_one
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_normalize(x, self.eps)
+        scale = self.scale[...].astype(jnp.float32)
+        y = y * (1.0 + scale) if self.plus_one else y * scale
+        return y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [..., T, heads, H] by positions i32[..., T] (HF rotate-half convention).
+
+    Dimension j pairs with j + H/2 at angle positions * inv_freq[j]; a zero
+    frequency leaves its pair unrotated (proportional RoPE).
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, H/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [..., T, H]
+    cos = jnp.cos(angles).astype(x.dtype)[..., None, :]  # [..., T, 1, H]
+    sin = jnp.sin(angles).astype(x.dtype)[..., None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    return rope.inv_freq(head_dim)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+class Attention(nnx.Module):
+    """Projections of one attention layer around the attention hook.
+
+    KV-shared layers have no k/v projections; Gemma 4 full layers with
+    `attention_k_eq_v` have no v projection (values are the raw key projection).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_index: int, *, rngs, dtype, param_dtype):
+        c = config
+        self.layer_index = layer_index
+        self.layer_type = c.layer_types[layer_index]
+        self.gemma4 = c.family == "gemma4"
+        self.dtype = dtype
+        self.rope = c.type_rope(self.layer_type)
+        d, n, h = c.hidden_size, c.num_heads, c.type_head_dim(self.layer_type)
+        kv = c.type_num_kv_heads(self.layer_type)
+        norm = dict(eps=c.rms_norm_eps, plus_one=not self.gemma4, param_dtype=param_dtype)
+        self.q_proj = nnx.Param(_normal(rngs, (d, n, h), param_dtype))
+        self.o_proj = nnx.Param(_normal(rngs, (n, h, d), param_dtype))
+        self.q_norm = RMSNorm(h, **norm)
+        self.writes_kv = c.kv_sources[layer_index] == layer_index
+        if self.writes_kv:
+            self.k_proj = nnx.Param(_normal(rngs, (d, kv, h), param_dtype))
+            if c.layer_uses_k_eq_v(layer_index):
+                self.v_proj = None
+            else:
+                self.v_proj = nnx.Param(_normal(rngs, (d, kv, h), param_dtype))
+            self.k_norm = RMSNorm(h, **norm)
+        else:
+            self.k_proj = self.v_proj = self.k_norm = None
+        self.value_norm_eps = c.rms_norm_eps if self.gemma4 else None
+
+    def __call__(self, x, positions, attention_fn, attention_state):
+        x = x.astype(self.dtype)
+        inv_freq = _inv_freq(self.rope, self.q_proj.shape[-1])
+        q = jnp.einsum(
+            "...td,dnh->...tnh", x, self.q_proj[...].astype(self.dtype)
+        )  # [..., T, N, H]
+        q = apply_rope(self.q_norm(q), positions, inv_freq)
+        if self.writes_kv:
+            k = jnp.einsum(
+                "...td,dkh->...tkh", x, self.k_proj[...].astype(self.dtype)
+            )  # [.., T, K, H]
+            if self.v_proj is None:
+                v = k
+            else:
+                v = jnp.einsum("...td,dkh->...tkh", x, self.v_proj[...].astype(self.dtype))
+            k = apply_rope(self.k_norm(k), positions, inv_freq)
+            if self.value_norm_eps is not None:
+                v = rms_normalize(v, self.value_norm_eps).astype(v.dtype)
+        else:
+            k = v = None
+        out, attention_state = attention_fn(self.layer_index, q, k, v, attention_state)
+        y = jnp.einsum("...tnh,nhd->...td", out, self.o_proj[...].astype(self.dtype))  # [..., T, D]
+        return y, attention_state
+
+
+class MLP(nnx.Module):
+    """Gated GELU (tanh) MLP: down(gelu(x @ gate) * (x @ up))."""
+
+    def __init__(self, d: int, f: int, *, rngs, dtype, param_dtype):
+        self.dtype = dtype
+        self.gate_proj = nnx.Param(_normal(rngs, (d, f), param_dtype))
+        self.up_proj = nnx.Param(_normal(rngs, (d, f), param_dtype))
+        self.down_proj = nnx.Param(_normal(rngs, (f, d), param_dtype))
+
+    def __call__(self, x):
+        gate = jnp.einsum("...d,df->...f", x, self.gate_proj[...].astype(self.dtype))  # [..., F]
+        up = jnp.einsum("...d,df->...f", x, self.up_proj[...].astype(self.dtype))
+        return jnp.einsum(
+            "...f,fd->...d", gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype)
+        )
+
+
+class MoE(nnx.Module):
+    """Gemma 4 router + experts.
+
+    The router reads the block's residual stream: RMSNorm without scale, times
+    `router_scale` and D**-0.5, a linear map to expert scores, float32 softmax,
+    top-k, renormalised, times `per_expert_scale`. Experts are gated GELU MLPs.
+    All experts are computed and weighted by the (mostly zero) gates: exact and
+    simple at small sizes.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs, dtype, param_dtype):
+        c = config
+        d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        self.dtype = dtype
+        self.eps = c.rms_norm_eps
+        self.top_k = c.num_experts_per_token
+        self.router_proj = nnx.Param(_normal(rngs, (d, e), param_dtype))
+        self.router_scale = nnx.Param(jnp.ones((d,), param_dtype))
+        self.per_expert_scale = nnx.Param(jnp.ones((e,), param_dtype))
+        self.gate_proj = nnx.Param(_normal(rngs, (e, d, f), param_dtype))
+        self.up_proj = nnx.Param(_normal(rngs, (e, d, f), param_dtype))
+        self.down_proj = nnx.Param(_normal(rngs, (e, f, d), param_dtype))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [..., D] -> (f32 weights [..., top_k], i32 expert ids [..., top_k])."""
+        d = x.shape[-1]
+        h = rms_normalize(x, self.eps).astype(x.dtype)
+        h = h * self.router_scale[...].astype(x.dtype) * jnp.asarray(d**-0.5, x.dtype)
+        scores = jnp.einsum("...d,de->...e", h, self.router_proj[...].astype(x.dtype))  # [..., E]
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)  # [..., top_k]
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights * self.per_expert_scale[...].astype(jnp.float32)[experts]
+        return weights, experts
+
+    def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x [..., D] through the chosen experts, summed with their weights -> [..., D]."""
+        num_experts = self.router_proj.shape[-1]
+        gates = jnp.sum(
+            jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None], axis=-2
+        )  # [..., E]
+        gate = jnp.einsum(
+            "...d,edf->...ef", x, self.gate_proj[...].astype(self.dtype)
+        )  # [.., E, F]
+        up = jnp.einsum("...d,edf->...ef", x, self.up_proj[...].astype(self.dtype))
+        y = jnp.einsum(
+            "...ef,efd->...ed", gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype)
+        )  # [..., E, D]
+        return jnp.einsum("...ed,...e->...d", y, gates.astype(y.dtype))
+
+
+class Block(nnx.Module):
+    """One decoder layer: attention, dense MLP (+ MoE), per-layer input, layer scalar."""
+
+    def __init__(self, config: TransformerConfig, layer_index: int, *, rngs, dtype, param_dtype):
+        c = config
+        self.dtype = dtype
+        self.gemma4 = c.family == "gemma4"
+        d = c.hidden_size
+        norm = dict(eps=c.rms_norm_eps, plus_one=not self.gemma4, param_dtype=param_dtype)
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.pre_attention_norm = RMSNorm(d, **norm)
+        self.attn = Attention(c, layer_index, **kw)
+        self.post_attention_norm = RMSNorm(d, **norm)
+        self.pre_ffw_norm = RMSNorm(d, **norm)
+        self.mlp = MLP(d, c.mlp_width(layer_index), **kw)
+        self.post_ffw_norm = RMSNorm(d, **norm)
+        if c.has_moe:
+            self.moe = MoE(c, **kw)
+            self.post_ffw_norm_1 = RMSNorm(d, **norm)
+            self.pre_ffw_norm_2 = RMSNorm(d, **norm)
+            self.post_ffw_norm_2 = RMSNorm(d, **norm)
+        else:
+            self.moe = None
+        if c.has_per_layer_inputs:
+            p = c.per_layer_input_dim
+            self.per_layer_input_gate = nnx.Param(_normal(rngs, (d, p), param_dtype))
+            self.per_layer_projection = nnx.Param(_normal(rngs, (p, d), param_dtype))
+            self.post_per_layer_input_norm = RMSNorm(d, **norm)
+        else:
+            self.per_layer_input_gate = None
+        self.layer_scalar = Buffer(jnp.ones((1,), param_dtype)) if self.gemma4 else None
+
+    def __call__(self, x, positions, per_layer_input, attention_fn, attention_state):
+        residual = x
+        h, attention_state = self.attn(
+            self.pre_attention_norm(x), positions, attention_fn, attention_state
+        )
+        x = residual + self.post_attention_norm(h)
+
+        residual = x
+        h = self.mlp(self.pre_ffw_norm(x))
+        if self.moe is not None:
+            weights, experts = self.moe.route(residual)
+            h2 = self.moe.experts(self.pre_ffw_norm_2(residual), weights, experts)
+            h = self.post_ffw_norm_1(h) + self.post_ffw_norm_2(h2)
+        x = residual + self.post_ffw_norm(h)
+
+        if self.per_layer_input_gate is not None:
+            residual = x
+            g = jnp.einsum("...d,dp->...p", x, self.per_layer_input_gate[...].astype(self.dtype))
+            g = gelu_tanh(g) * per_layer_input  # [..., T, P]
+            g = jnp.einsum("...p,pd->...d", g, self.per_layer_projection[...].astype(self.dtype))
+            x = residual + self.post_per_layer_input_norm(g)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar[...].astype(x.dtype)
+        return x, attention_state

@@ -1,0 +1,274 @@
+"""Named presets of every Gemma 3 / Gemma 4 text variant, with keyword overrides.
+
+Values are the text configs of the released Hugging Face checkpoints
+(`tests/fixtures/hf_presets.json` holds them and a test checks each preset
+against `config_from_hf` of its dict).
+
+Overrides: any `TransformerConfig` field. Unless `layer_types` is given, it is
+rebuilt from the preset's sliding/full period for the (possibly overridden)
+`num_layers`. Unless `num_kv_shared_layers` is given, a preset with KV sharing
+keeps the same fraction of shared layers when `num_layers` changes, reduced
+until every shared layer type has a writer. Unknown fields and inconsistent
+values raise `ValueError`.
+"""
+
+from __future__ import annotations
+
+from gemma._config import RopeConfig, TransformerConfig, check_fields, pattern_layer_types
+
+_G3_LOCAL = RopeConfig(theta=10_000.0)
+_G3_GLOBAL = RopeConfig(theta=1_000_000.0)
+_G3_GLOBAL_LINEAR8 = RopeConfig(theta=1_000_000.0, rope_type="linear", factor=8.0)
+_G4_SLIDING = RopeConfig(theta=10_000.0)
+_G4_FULL = RopeConfig(theta=1_000_000.0, rope_type="proportional", partial_rotary_factor=0.25)
+
+_GEMMA3 = dict(
+    family="gemma3",
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_sliding=_G3_LOCAL,
+    rope_full=_G3_GLOBAL_LINEAR8,
+    max_context=131_072,
+    vocab_size=262_208,
+    sliding_window=1024,
+)
+_GEMMA4 = dict(
+    family="gemma4",
+    head_dim=256,
+    global_head_dim=512,
+    rms_norm_eps=1e-6,
+    rope_sliding=_G4_SLIDING,
+    rope_full=_G4_FULL,
+    vocab_size=262_144,
+    final_logit_softcap=30.0,
+)
+
+# name -> (base fields, sliding/full period)
+_PRESETS: dict[str, tuple[dict, int]] = {
+    "gemma3_270m": (
+        dict(
+            _GEMMA3,
+            num_layers=18,
+            hidden_size=640,
+            intermediate_size=2048,
+            num_heads=4,
+            num_kv_heads=1,
+            vocab_size=262_144,
+            sliding_window=512,
+            max_context=32_768,
+            rope_full=_G3_GLOBAL,
+        ),
+        6,
+    ),
+    "gemma3_1b": (
+        dict(
+            _GEMMA3,
+            num_layers=26,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_heads=4,
+            num_kv_heads=1,
+            vocab_size=262_144,
+            sliding_window=512,
+            max_context=32_768,
+            rope_full=_G3_GLOBAL,
+        ),
+        6,
+    ),
+    "gemma3_4b": (
+        dict(
+            _GEMMA3,
+            num_layers=34,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_heads=8,
+            num_kv_heads=4,
+        ),
+        6,
+    ),
+    "gemma3_12b": (
+        dict(
+            _GEMMA3,
+            num_layers=48,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_heads=16,
+            num_kv_heads=8,
+        ),
+        6,
+    ),
+    "gemma3_27b": (
+        dict(
+            _GEMMA3,
+            num_layers=62,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_heads=32,
+            num_kv_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+        ),
+        6,
+    ),
+    "gemma4_e2b": (
+        dict(
+            _GEMMA4,
+            num_layers=35,
+            hidden_size=1536,
+            intermediate_size=6144,
+            num_heads=8,
+            num_kv_heads=1,
+            sliding_window=512,
+            max_context=131_072,
+            num_kv_shared_layers=20,
+            use_double_wide_mlp=True,
+            per_layer_input_dim=256,
+        ),
+        5,
+    ),
+    "gemma4_e4b": (
+        dict(
+            _GEMMA4,
+            num_layers=42,
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_heads=8,
+            num_kv_heads=2,
+            sliding_window=512,
+            max_context=131_072,
+            num_kv_shared_layers=18,
+            per_layer_input_dim=256,
+        ),
+        6,
+    ),
+    "gemma4_12b": (
+        dict(
+            _GEMMA4,
+            num_layers=48,
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_heads=16,
+            num_kv_heads=8,
+            sliding_window=1024,
+            max_context=262_144,
+        ),
+        6,
+    ),
+    "gemma4_26b_a4b": (
+        dict(
+            _GEMMA4,
+            num_layers=30,
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_heads=16,
+            num_kv_heads=8,
+            num_global_kv_heads=2,
+            attention_k_eq_v=True,
+            sliding_window=1024,
+            max_context=262_144,
+            num_experts=128,
+            num_experts_per_token=8,
+            moe_intermediate_size=704,
+        ),
+        6,
+    ),
+    "gemma4_31b": (
+        dict(
+            _GEMMA4,
+            num_layers=60,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_heads=32,
+            num_kv_heads=16,
+            num_global_kv_heads=4,
+            attention_k_eq_v=True,
+            sliding_window=1024,
+            max_context=262_144,
+        ),
+        6,
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def _has_writers(layer_types: tuple[str, ...], num_shared: int) -> bool:
+    first = len(layer_types) - num_shared
+    return set(layer_types[first:]) <= set(layer_types[:first])
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    """The config of preset `name` with `overrides` applied."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {list(PRESET_NAMES)}")
+    check_fields(overrides)
+    base, period = _PRESETS[name]
+    kwargs = {**base, **overrides}
+    num_layers = kwargs["num_layers"]
+    if "layer_types" not in overrides and isinstance(num_layers, int) and num_layers > 0:
+        kwargs["layer_types"] = pattern_layer_types(kwargs["family"], num_layers, period)
+    base_shared = base.get("num_kv_shared_layers", 0)
+    if (
+        base_shared
+        and "num_kv_shared_layers" not in overrides
+        and ("num_layers" in overrides or "layer_types" in overrides)
+        and isinstance(num_layers, int)
+        and num_layers > 0
+    ):
+        layer_types = tuple(kwargs["layer_types"])
+        shared = min(base_shared * num_layers // base["num_layers"], num_layers - 1)
+        while shared > 0 and not _has_writers(layer_types, shared):
+            shared -= 1
+        kwargs["num_kv_shared_layers"] = shared
+    return TransformerConfig(**kwargs)
+
+
+def gemma3_270m(**overrides) -> TransformerConfig:
+    """Gemma 3 270M: 18 layers, width 640, window 512."""
+    return preset("gemma3_270m", **overrides)
+
+
+def gemma3_1b(**overrides) -> TransformerConfig:
+    """Gemma 3 1B: 26 layers, width 1152, window 512."""
+    return preset("gemma3_1b", **overrides)
+
+
+def gemma3_4b(**overrides) -> TransformerConfig:
+    """Gemma 3 4B (text): 34 layers, width 2560, window 1024, linear RoPE x8 on full layers."""
+    return preset("gemma3_4b", **overrides)
+
+
+def gemma3_12b(**overrides) -> TransformerConfig:
+    """Gemma 3 12B (text): 48 layers, width 3840, window 1024, linear RoPE x8 on full layers."""
+    return preset("gemma3_12b", **overrides)
+
+
+def gemma3_27b(**overrides) -> TransformerConfig:
+    """Gemma 3 27B (text): 62 layers, width 5376, head_dim 128, window 1024."""
+    return preset("gemma3_27b", **overrides)
+
+
+def gemma4_e2b(**overrides) -> TransformerConfig:
+    """Gemma 4 E2B (text): 35 layers, PLE, last 20 layers KV-shared, double-wide MLP there."""
+    return preset("gemma4_e2b", **overrides)
+
+
+def gemma4_e4b(**overrides) -> TransformerConfig:
+    """Gemma 4 E4B (text): 42 layers, PLE, last 18 layers KV-shared."""
+    return preset("gemma4_e4b", **overrides)
+
+
+def gemma4_12b(**overrides) -> TransformerConfig:
+    """Gemma 4 12B (text of `gemma4_unified`): 48 layers, width 3840."""
+    return preset("gemma4_12b", **overrides)
+
+
+def gemma4_26b_a4b(**overrides) -> TransformerConfig:
+    """Gemma 4 26B-A4B (text): 30 layers, dense MLP + 128-expert top-8 MoE, K=V full layers."""
+    return preset("gemma4_26b_a4b", **overrides)
+
+
+def gemma4_31b(**overrides) -> TransformerConfig:
+    """Gemma 4 31B (text): 60 layers, width 5376, K=V full layers with 4 KV heads."""
+    return preset("gemma4_31b", **overrides)

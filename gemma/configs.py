@@ -1,0 +1,34 @@
+"""Presets of every Gemma 3 / Gemma 4 text variant: `gemma.configs.gemma3_1b(num_layers=2)`."""
+
+from gemma._config import RopeConfig, TransformerConfig
+from gemma._presets import (
+    PRESET_NAMES,
+    gemma3_1b,
+    gemma3_4b,
+    gemma3_12b,
+    gemma3_27b,
+    gemma3_270m,
+    gemma4_12b,
+    gemma4_26b_a4b,
+    gemma4_31b,
+    gemma4_e2b,
+    gemma4_e4b,
+    preset,
+)
+
+__all__ = [
+    "PRESET_NAMES",
+    "RopeConfig",
+    "TransformerConfig",
+    "gemma3_1b",
+    "gemma3_4b",
+    "gemma3_12b",
+    "gemma3_27b",
+    "gemma3_270m",
+    "gemma4_12b",
+    "gemma4_26b_a4b",
+    "gemma4_31b",
+    "gemma4_e2b",
+    "gemma4_e4b",
+    "preset",
+]
