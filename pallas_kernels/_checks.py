@@ -106,3 +106,43 @@ def kv_scales(pool, k_scale, v_scale):
         return s.reshape(()).astype(jnp.float32)
 
     return one(k_scale, "k_scale"), one(v_scale, "v_scale")
+
+
+_FORCED_MODE = [None]
+
+
+class _forced_mode:
+    mode: str
+
+    def __enter__(self):
+        self._prev = _FORCED_MODE[0]
+        _FORCED_MODE[0] = self.mode
+
+    def __exit__(self, *exc):
+        _FORCED_MODE[0] = self._prev
+
+
+class force_compiled(_forced_mode):
+    """Context manager: trace Mosaic GPU kernels for the compiled backend even off-GPU.
+
+    Lets `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` build the Mosaic GPU
+    module on a CPU-only machine, which checks the kernel's lowering without a GPU.
+    """
+
+    mode = "compiled"
+
+
+class force_interpret(_forced_mode):
+    """Context manager: run Mosaic GPU kernels in GPU interpret mode even on a GPU."""
+
+    mode = "interpret"
+
+
+def interpret_params():
+    """GPU interpret mode (race detection on) off-Hopper or under `force_interpret`, else None."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mode = _FORCED_MODE[0]
+    if mode == "compiled" or (mode is None and on_hopper()):
+        return None
+    return plgpu.InterpretGPUParams(detect_races=True)

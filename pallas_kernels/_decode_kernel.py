@@ -1,11 +1,533 @@
-"""Mosaic GPU paged decode attention kernel (work in progress)."""
+"""Mosaic GPU (sm90) paged decode attention: one new token per sequence over its pages.
+
+One CUDA block per (KV head, context split, sequence). The G = Hq // Hkv query heads of the KV
+head are the first G rows of a 64-row WGMMA tile (the rest are zero), so every K/V page of the
+head is read once for the whole group. K/V pages stream through a ring of `num_stages` SMEM
+slots by TMA; the source page of each copy comes from the page table (scalar loads from GMEM).
+A step covers `block_kv` tokens: several whole pages (block_kv >= page_size) or a slice of one
+(block_kv < page_size). S = Q K^T and O += P V run on WGMMA with float32 accumulation and an
+online (exp2) softmax in float32.
+
+Only blocks [lo // S, cdiv(kv_len, S)) are read, lo = max(0, kv_len - window): a step whose
+aligned range reaches outside it re-reads an in-range page instead (its logits are masked), so
+BAD or out-of-window pages are never touched. Rows of a read page outside [lo, kv_len) are
+masked out of the logits; they must hold finite values (as any page written by `kv_write` or
+zero-initialised does), since a masked row still enters P V with weight 0.
+
+With `num_splits > 1` each block handles a contiguous share of the steps and writes
+unnormalised float32 partials (o, m, l); a small jnp combine merges them. head_dim 512 uses two
+compute warpgroups, each owning half of O (both compute S). fp8 (e4m3) pools are dequantised
+in SMEM to float16 per 64x128 chunk; the scales are folded into the logit scale and the output.
+
+Axis names: B sequences, Hkv KV heads, G query heads per KV head, D head_dim, S page_size,
+T block_kv (tokens per step), NS num_splits.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _checks
+
+ROWS = 64  # WGMMA M: query rows of one tile (G of them are real).
+MASK_VALUE = -1e30
+LOG2E = math.log2(math.e)
+SMEM_LIMIT = 227 * 1024
+HEAD_DIMS = (64, 128, 256, 512)
+PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+MAX_GROUP = ROWS
+NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """Static knobs of the decode kernel (None = chosen from the shapes).
+
+    block_kv: tokens per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
+    num_stages: SMEM ring depth (TMA steps in flight).
+    num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
+    """
+
+    block_kv: int | None = None
+    num_stages: int | None = None
+    num_splits: int | None = None
+
+
+def _compute_dtype(pool_dtype):
+    if _checks.is_fp8(pool_dtype):
+        return jnp.dtype(jnp.float16)  # e4m3 -> f16 is one cvt; e4m3 -> bf16 is not in hardware
+    if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float32):
+        return None
+    return jnp.dtype(pool_dtype)
+
+
+def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype):
+    item = jnp.dtype(pool_dtype).itemsize
+    ring = num_stages * 2 * block_kv * head_dim * item
+    q = ROWS * head_dim * cdtype.itemsize
+    num_wgs = 2 if head_dim > 256 else 1
+    p = num_wgs * ROWS * block_kv * 2
+    dequant = num_wgs * 2 * ROWS * 128 * 2 if _checks.is_fp8(pool_dtype) else 0
+    return ring + q + p + dequant + 4096  # barriers, reduction scratch
+
+
+def _pick(head_dim, page_size, pool_dtype, batch, num_kv_heads, max_blocks, tuning):
+    """Resolves the tuning knobs; raises ValueError for an unsupported configuration."""
+    cdtype = _compute_dtype(pool_dtype)
+    if cdtype is None:
+        raise ValueError("the Pallas decode kernel needs a bf16, f16 or fp8 pool, got float32")
+    block_kv = tuning.block_kv
+    if block_kv is None:
+        block_kv = {64: 128, 128: 64, 256: 64, 512: 64}[head_dim]
+    if block_kv < 64 or block_kv % 64:
+        raise ValueError(f"block_kv must be a multiple of 64, got {block_kv}")
+    if block_kv % page_size and page_size % block_kv:
+        raise ValueError(
+            f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"
+        )
+    num_stages = tuning.num_stages
+    if num_stages is None:
+        num_stages = 4
+        while num_stages > 1 and (
+            _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype) > SMEM_LIMIT
+        ):
+            num_stages -= 1
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype)
+    if need > SMEM_LIMIT:
+        raise ValueError(
+            f"decode kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
+            f"block_kv={block_kv}, num_stages={num_stages}, pool {jnp.dtype(pool_dtype)}), "
+            f"more than the {SMEM_LIMIT} available; lower block_kv or num_stages"
+        )
+    num_splits = tuning.num_splits
+    if num_splits is None:
+        steps = max(1, -(-max_blocks * page_size // block_kv))
+        blocks = batch * num_kv_heads
+        num_splits = max(1, min(steps // 4, -(-2 * NUM_SMS // blocks), 16))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return cdtype, block_kv, num_stages, num_splits
+
 
 def supports(q, pool, **tuning) -> bool:
-    return False
+    """Whether the kernel handles this configuration (else "auto" uses the reference)."""
+    _, page_size, num_kv_heads, head_dim = pool.shape
+    group = q.shape[1] // num_kv_heads
+    if head_dim not in HEAD_DIMS or page_size not in PAGE_SIZES or group > MAX_GROUP:
+        return False
+    try:
+        _pick(head_dim, page_size, pool.dtype, q.shape[0], num_kv_heads, 1, DecodeTuning(**tuning))
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
-def paged_decode_attention_pallas(*args, **kwargs):
-    raise ValueError("the Pallas paged decode attention kernel is not available yet")
+def _check_supported(q, pool):
+    _, page_size, num_kv_heads, head_dim = pool.shape
+    group = q.shape[1] // num_kv_heads
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"decode kernel head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"decode kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
+    if group > MAX_GROUP:
+        raise ValueError(f"decode kernel GQA group must be <= {MAX_GROUP}, got {group}")
+
+
+def _decode_call(
+    kv_lens,
+    page_table,
+    q_tiles,
+    pool,
+    *,
+    scale,
+    window,
+    softcap,
+    k_scale,
+    v_scale,
+    group,
+    block_kv,
+    num_stages,
+    num_splits,
+    cdtype,
+    q_dtype,
+    interpret,
+):
+    """Runs the kernel. q_tiles: [B, Hkv, 64, D] (compute dtype, rows >= G zero).
+
+    Returns o [B, Hkv, G, D] (normalised, q dtype) when num_splits == 1, else float32 partials
+    o [B, Hkv, NS, G, D], m and l [B, Hkv, NS, 64] (m in log2 units).
+    """
+    batch, num_kv_heads, _, head_dim = q_tiles.shape
+    _, page_size, _, _ = pool.shape
+    max_blocks = page_table.shape[2]
+    fp8 = _checks.is_fp8(pool.dtype)
+    num_wgs = 2 if head_dim > 256 else 1
+    dv = head_dim // num_wgs
+    T = block_kv
+    pages_per_step = max(1, T // page_size)
+    copy_rows = min(T, page_size)
+    split = num_splits > 1
+    item_bits = 8 * jnp.dtype(pool.dtype).itemsize
+    swizzle = 128
+    ring_transforms = (
+        plgpu.TilingTransform((8, swizzle * 8 // item_bits)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    c_transforms = (plgpu.TilingTransform((8, swizzle * 8 // 16)), plgpu.SwizzleTransform(swizzle))
+
+    def body(kv_lens_ref, pt_ref, q_ref, pool_ref, scales_ref, *refs):
+        if split:
+            o_ref, m_ref, l_ref = refs
+        else:
+            (o_ref,) = refs
+        h = lax.axis_index("h")
+        sp = lax.axis_index("s")
+        b = lax.axis_index("b")
+        wg = lax.axis_index("wg") if num_wgs > 1 else 0
+        kv_len = kv_lens_ref[b]
+        lo = jnp.int32(0) if window is None else jnp.maximum(kv_len - window, 0)
+        lo_blk = lo // page_size
+        hi_blk = jnp.maximum((kv_len + page_size - 1) // page_size, lo_blk + 1)  # exclusive
+        first_step = lo // T
+        n_total = jnp.where(kv_len > 0, (kv_len + T - 1) // T - first_step, 0)
+        per_split = (n_total + num_splits - 1) // num_splits
+        st = first_step + jnp.minimum(sp * per_split, n_total)
+        n = jnp.clip(n_total - sp * per_split, 0, per_split)
+        qk_scale = scale * LOG2E * scales_ref[0]
+
+        def leader(fn):
+            if num_wgs == 1:
+                fn()
+            else:
+                pl.when(wg == 0)(fn)
+
+        def main(q_smem, k_ring, v_ring, p_smem, deq, q_bar, k_bar, v_bar, k_done, v_done):
+            p_smem = p_smem.at[wg]
+
+            def issue(role, j_abs, slot):
+                ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
+                tok0 = j_abs * T
+                for i in range(pages_per_step):
+                    if T >= page_size:
+                        blk = j_abs * pages_per_step + i
+                        rows = slice(None)
+                    else:
+                        blk = tok0 // page_size
+                        rows = pl.ds(tok0 % page_size, copy_rows)
+                    # Never leave [lo_blk, hi_blk): re-read an in-range page instead.
+                    blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
+                    page = jnp.maximum(pt_ref[b, role, blk], 0)
+                    plgpu.copy_gmem_to_smem(
+                        pool_ref.at[page, rows, h, :],
+                        ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
+                        bar.at[slot],
+                    )
+
+            @functools.partial(leader)
+            def _prologue():
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+                for i in range(num_stages):
+
+                    @pl.when(i < n)
+                    def _(i=i):
+                        issue(0, st + i, i)
+                        issue(1, st + i, i)
+
+            plgpu.barrier_wait(q_bar)
+
+            def dequant(src, dst):
+                """fp8 [64, 128] SMEM chunk -> compute-dtype SMEM chunk."""
+                dst[...] = src[...].astype(cdtype)
+                plgpu.commit_smem()
+
+            def qk(slot):
+                def run(acc_ref):
+                    if not fp8:
+                        plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].transpose((1, 0)))
+                        return acc_ref[...]
+                    k16 = deq.at[wg, 0]
+                    for r in range(T // ROWS):
+                        for c in range(head_dim // 128):
+                            cols = pl.ds(c * 128, 128)
+                            dequant(k_ring.at[slot, pl.ds(r * ROWS, ROWS), cols], k16)
+                            plgpu.wgmma(
+                                acc_ref.at[:, pl.ds(r * ROWS, ROWS)],
+                                q_smem.at[:, cols],
+                                k16.transpose((1, 0)),
+                            )
+                            plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC((ROWS, T), jnp.float32))
+
+            def pv(slot):
+                def run(acc_ref):
+                    col0 = wg * dv if num_wgs > 1 else 0
+                    if not fp8:
+                        plgpu.wgmma(acc_ref, p_smem, v_ring.at[slot, :, pl.ds(col0, dv)])
+                        return acc_ref[...]
+                    v16 = deq.at[wg, 1]
+                    for r in range(T // ROWS):
+                        for c in range(dv // 128):
+                            dequant(
+                                v_ring.at[slot, pl.ds(r * ROWS, ROWS), pl.ds(col0 + c * 128, 128)],
+                                v16,
+                            )
+                            plgpu.wgmma(
+                                acc_ref.at[:, pl.ds(c * 128, 128)],
+                                p_smem.at[:, pl.ds(r * ROWS, ROWS)],
+                                v16,
+                            )
+                            plgpu.wgmma_wait(0)
+                    return acc_ref[...]
+
+                # A fresh accumulator per step, added to the rescaled running one.
+                return pl.run_scoped(run, plgpu.ACC((ROWS, dv), jnp.float32))
+
+            def refill(role, done, j, j_abs, slot):
+                @pl.when(j + num_stages < n)
+                def _():
+                    if num_wgs > 1:
+                        # Every warpgroup is done with the slot before the leader reloads it.
+                        plgpu.barrier_arrive(done.at[slot])
+
+                    @functools.partial(leader)
+                    def _():
+                        if num_wgs > 1:
+                            plgpu.barrier_wait(done.at[slot])
+                        issue(role, j_abs + num_stages, slot)
+
+            def step(j, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j, num_stages)
+                j_abs = st + j
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = qk(slot) * qk_scale  # [64, T], log2 units
+                refill(0, k_done, j, j_abs, slot)  # K of a later step streams in during P V
+                if softcap is not None:
+                    c = softcap * LOG2E
+                    s = c * jnp.tanh(s / c)
+                pos = j_abs * T + plgpu.broadcasted_iota(
+                    jnp.int32, (ROWS, T), 1, layout=plgpu.Layout.WGMMA
+                )
+                valid = (pos >= lo) & (pos < kv_len)
+                s = jnp.where(valid, s, MASK_VALUE)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                p = jnp.where(valid, p, 0.0)
+                l_i = l_i * alpha + p.sum(axis=1)
+                p_smem[...] = p.astype(cdtype)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(v_bar.at[slot])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv(slot)
+                refill(1, v_done, j, j_abs, slot)
+                return acc, m_new, l_i
+
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA)
+            m_i = plgpu.layout_cast(
+                jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
+            l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            return lax.fori_loop(0, n, step, (acc, m_i, l_i))
+
+        item = jnp.dtype(pool.dtype)
+        done = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages)
+        scratch = [
+            plgpu.SMEM((ROWS, head_dim), cdtype, transforms=c_transforms),
+            plgpu.SMEM((num_stages, T, head_dim), item, transforms=ring_transforms),
+            plgpu.SMEM((num_stages, T, head_dim), item, transforms=ring_transforms),
+            plgpu.SMEM((num_wgs, ROWS, T), cdtype, transforms=c_transforms),
+            plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=c_transforms) if fp8 else None,
+            plgpu.Barrier(num_barriers=()),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            done if num_wgs > 1 else None,
+            done if num_wgs > 1 else None,
+        ]
+        kw = dict(collective_axes="wg") if num_wgs > 1 else {}
+        acc, m_i, l_i = pl.run_scoped(main, *scratch, **kw)
+
+        v_mult = scales_ref[1]
+        cols = pl.ds(wg * dv, dv) if num_wgs > 1 else slice(None)
+
+        def epilogue(o_smem, stat_smem):
+            o_smem = o_smem.at[wg]
+            if split:
+                o_smem[...] = acc * v_mult
+            else:
+                inv = jnp.where(l_i > 0, v_mult / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+                o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+
+            @functools.partial(leader)
+            def _():
+                if split:
+                    stat_smem.at[0][...] = m_i
+                    stat_smem.at[1][...] = l_i
+
+            plgpu.commit_smem()
+            if split:
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, sp, :, cols])
+
+                @functools.partial(leader)
+                def _():
+                    plgpu.copy_smem_to_gmem(stat_smem.at[0], m_ref.at[b, h, sp])
+                    plgpu.copy_smem_to_gmem(stat_smem.at[1], l_ref.at[b, h, sp])
+            else:
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[b, h, :, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        o_dtype = jnp.float32 if split else q_dtype
+        pl.run_scoped(
+            epilogue,
+            plgpu.SMEM((num_wgs, ROWS, dv), o_dtype),
+            plgpu.SMEM((2, ROWS), jnp.float32),
+            **kw,
+        )
+
+    if split:
+        out_type = (
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, ROWS), jnp.float32),
+        )
+    else:
+        out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), q_dtype)
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_kv_heads, num_splits, batch),
+        grid_names=("h", "s", "b"),
+        num_threads=num_wgs if num_wgs > 1 else None,
+        thread_name="wg" if num_wgs > 1 else None,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    scales = jnp.stack([k_scale, v_scale]).astype(jnp.float32)
+    return kernel(kv_lens, page_table, q_tiles, pool, scales)
+
+
+def combine_splits(o, m, l, group):
+    """Merges float32 split partials o [B, Hkv, NS, G, D], m, l [B, Hkv, NS, 64].
+
+    Returns [B, Hkv, G, D]; m is in log2 units, a split that saw no key has l == 0.
+    """
+    m = m[..., :group]  # [B, Hkv, NS, G]
+    l = l[..., :group]
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.where(l > 0, jnp.exp2(m - m_max), 0.0)  # [B, Hkv, NS, G]
+    denom = jnp.sum(w * l, axis=2)  # [B, Hkv, G]
+    num = jnp.sum(w[..., None] * o, axis=2)  # [B, Hkv, G, D]
+    return jnp.where(denom[..., None] > 0, num / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "window",
+        "softcap",
+        "block_kv",
+        "num_stages",
+        "num_splits",
+        "interpret",
+    ),
+)
+def _decode_jit(
+    q,
+    pool,
+    page_table,
+    kv_lens,
+    k_scale,
+    v_scale,
+    *,
+    scale,
+    window,
+    softcap,
+    block_kv,
+    num_stages,
+    num_splits,
+    interpret,
+):
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = pool.shape
+    group = num_q_heads // num_kv_heads
+    cdtype, block_kv, num_stages, num_splits = _pick(
+        head_dim,
+        page_size,
+        pool.dtype,
+        batch,
+        num_kv_heads,
+        page_table.shape[2],
+        DecodeTuning(block_kv, num_stages, num_splits),
+    )
+    q_tiles = q.reshape(batch, num_kv_heads, group, head_dim).astype(cdtype)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [B, Hkv, 64, D]
+    res = _decode_call(
+        kv_lens,
+        page_table,
+        q_tiles,
+        pool,
+        scale=scale,
+        window=window,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        group=group,
+        block_kv=block_kv,
+        num_stages=num_stages,
+        num_splits=num_splits,
+        cdtype=cdtype,
+        q_dtype=q.dtype,
+        interpret=interpret,
+    )
+    if num_splits > 1:
+        out = combine_splits(*res, group).astype(q.dtype)
+    else:
+        out = res
+    return out.reshape(batch, num_q_heads, head_dim)
+
+
+def paged_decode_attention_pallas(
+    q,
+    pool,
+    page_table,
+    kv_lens,
+    *,
+    scale,
+    window=None,
+    softcap=None,
+    k_scale=None,
+    v_scale=None,
+    block_kv=None,
+    num_stages=None,
+    num_splits=None,
+):
+    """Mosaic GPU paged decode attention (validated inputs; see `paged_attention.py`)."""
+    _check_supported(q, pool)
+    ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
+    return _decode_jit(
+        q,
+        pool,
+        page_table,
+        kv_lens,
+        ks,
+        vs,
+        scale=float(scale),
+        window=window,
+        softcap=None if softcap is None else float(softcap),
+        block_kv=block_kv,
+        num_stages=num_stages,
+        num_splits=num_splits,
+        interpret=_checks.interpret_params(),
+    )

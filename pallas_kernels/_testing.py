@@ -56,11 +56,14 @@ def make_case(
     spare_pages=3,
     poison=True,
     decode=False,
+    row_fill=np.nan,
 ) -> PagedCase:
     """Builds a ragged batch; `decode=True` gives q [B, Hq, D] (q_lens must all be 1 or 0).
 
     Stored pool values are standard normal for every dtype; the logical K/V values are
     stored * k_scale (resp. v_scale), as for a pool written by `kv_write` with those scales.
+    row_fill: value of the rows of a read page that no query may see (rows past kv_lens,
+    rows before the window); pages never read are always NaN.
     """
     rng = np.random.default_rng(seed)
     q_lens = np.asarray(q_lens, np.int32)
@@ -99,7 +102,7 @@ def make_case(
                 rows = np.arange(lo_pos, hi_pos)
                 ok = (rows >= visible_lo[b]) & (rows < kv_lens[b])
                 vals = rng.standard_normal((page_size, num_kv_heads, head_dim))
-                pool[page] = np.where(ok[:, None, None] | (not poison), vals, np.nan)
+                pool[page] = np.where(ok[:, None, None] | (not poison), vals, row_fill)
         # Blocks past the needed ones point at poisoned spare pages now and then.
         for blk in range(need_blocks[b], max_blocks):
             if rng.random() < 0.3:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _testing
+from pallas_kernels import _checks, _testing
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -245,3 +245,129 @@ def test_validation_errors():
         paged_decode_attention(
             q, pool, pt, kv, scale=1.0, implementation="reference", pages_per_step=2
         )
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+# Interpret mode (CPU, race detection on) at small shapes; compiled on an H200 (`gpu` marker).
+# Read pages hold finite garbage in the rows no query sees (the kernel contract); pages that
+# must never be read are NaN.
+
+MODES = ["interpret", pytest.param("compiled", marks=pytest.mark.gpu)]
+
+
+def _mode_ctx(mode):
+    return _checks.force_interpret() if mode == "interpret" else _checks.force_compiled()
+
+
+DECODE_CASES = {
+    # name: (kv_lens, Hq, Hkv, D, page_size, pool dtype, window, softcap, tuning)
+    "d128_g4": ([37, 0, 70, 16], 8, 2, 128, 16, jnp.bfloat16, None, None, {}),
+    "d256_g2_window_softcap_split": (
+        [90, 1, 64],
+        4,
+        2,
+        256,
+        32,
+        jnp.bfloat16,
+        40,
+        30.0,
+        {"num_splits": 2},
+    ),
+    "d512_g8_page64": ([70, 129], 8, 1, 512, 64, jnp.bfloat16, None, None, {}),
+    "fp8_d128_g1_window": (
+        [100, 33],
+        2,
+        2,
+        128,
+        32,
+        jnp.float8_e4m3fn,
+        24,
+        None,
+        {"num_splits": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_decode_kernel(name, mode):
+    kv_lens, hq, hkv, d, ps, dtype, window, softcap, tuning = DECODE_CASES[name]
+    fp8 = dtype == jnp.float8_e4m3fn
+    case = _testing.make_case(
+        sorted(DECODE_CASES).index(name),
+        q_lens=[min(n, 1) for n in kv_lens],
+        kv_lens=kv_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        pool_dtype=dtype,
+        window=window,
+        decode=True,
+        k_scale=0.3 if fp8 else 1.0,
+        v_scale=0.5 if fp8 else 1.0,
+        row_fill=200.0,
+    )
+    a = case.jax_args()
+    with _mode_ctx(mode):
+        got = paged_decode_attention(
+            a["q"],
+            a["pool"],
+            a["page_table"],
+            a["kv_lens"],
+            scale=d**-0.5,
+            window=window,
+            softcap=softcap,
+            k_scale=jnp.float32(case.k_scale),
+            v_scale=jnp.float32(case.v_scale),
+            implementation="pallas",
+            **tuning,
+        )
+    want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap, decode=True)
+    _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "d,hq,hkv,ps,dtype,window,splits",
+    [
+        (128, 32, 8, 32, jnp.bfloat16, None, None),
+        (128, 16, 8, 16, jnp.bfloat16, 1024, 4),
+        (256, 8, 4, 32, jnp.bfloat16, None, None),
+        (256, 16, 2, 64, jnp.float8_e4m3fn, 512, None),
+        (512, 4, 2, 32, jnp.bfloat16, None, 2),
+        (512, 8, 1, 32, jnp.float8_e4m3fn, None, None),
+    ],
+)
+def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
+    kv_lens = [1, 3000, 517, 2048, 0, 4097]
+    case = _testing.make_case(
+        d + ps,
+        q_lens=[min(n, 1) for n in kv_lens],
+        kv_lens=kv_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        pool_dtype=dtype,
+        window=window,
+        decode=True,
+        row_fill=200.0,
+        k_scale=0.5,
+        v_scale=0.25,
+    )
+    a = case.jax_args()
+    got = paged_decode_attention(
+        a["q"],
+        a["pool"],
+        a["page_table"],
+        a["kv_lens"],
+        scale=d**-0.5,
+        window=window,
+        k_scale=jnp.float32(0.5),
+        v_scale=jnp.float32(0.25),
+        implementation="pallas",
+        num_splits=splits,
+    )
+    want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
+    _check(got, want, jnp.bfloat16)
