@@ -150,6 +150,8 @@ _PRESETS: dict[str, tuple[dict, int]] = {
             intermediate_size=15360,
             num_heads=16,
             num_kv_heads=8,
+            num_global_kv_heads=1,
+            attention_k_eq_v=True,
             sliding_window=1024,
             max_context=262_144,
         ),
@@ -221,6 +223,7 @@ def preset(name: str, **overrides) -> TransformerConfig:
         while shared > 0 and not _has_writers(layer_types, shared):
             shared -= 1
         kwargs["num_kv_shared_layers"] = shared
+    kwargs.setdefault("layer_types", ())  # an invalid num_layers is reported by the config
     return TransformerConfig(**kwargs)
 
 
@@ -260,7 +263,7 @@ def gemma4_e4b(**overrides) -> TransformerConfig:
 
 
 def gemma4_12b(**overrides) -> TransformerConfig:
-    """Gemma 4 12B (text of `gemma4_unified`): 48 layers, width 3840."""
+    """Gemma 4 12B (text of `gemma4_unified`): 48 layers, width 3840, K=V full layers, 1 KV head."""
     return preset("gemma4_12b", **overrides)
 
 

@@ -113,14 +113,8 @@ class Transformer(nnx.Module):
                 jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape
             )
         positions = jnp.asarray(positions)
-        state = DenseAttentionState(positions=positions, segment_ids=segment_ids)
-        logits, _ = self.forward(
-            tokens,
-            positions,
-            attention_fn=dense_attention_fn(self.config.layer_specs),
-            attention_state=state,
-        )
-        return logits
+        _check_tokens(self.config, tokens, positions)
+        return _dense_forward(self, tokens, positions, segment_ids)
 
     def forward(self, tokens, positions, *, attention_fn, attention_state):
         """Logits f32[..., T, V] and the final attention_state, with attention through the hook.
@@ -182,3 +176,15 @@ class Transformer(nnx.Module):
     def num_params(self) -> int:
         """Number of parameters (nnx.Param leaves; buffers such as layer scalars excluded)."""
         return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
+
+
+@nnx.jit
+def _dense_forward(model: Transformer, tokens, positions, segment_ids):
+    state = DenseAttentionState(positions=positions, segment_ids=segment_ids)
+    logits, _ = model.forward(
+        tokens,
+        positions,
+        attention_fn=dense_attention_fn(model.config.layer_specs),
+        attention_state=state,
+    )
+    return logits
