@@ -1,0 +1,457 @@
+"""Benchmark of the paged attention kernels on the H200 (decode, prefill, kv_write) and peers.
+
+    PYTHONPATH=. python3 experiments/bench_kernels.py --out $OUT/kernels_h200.json
+    PYTHONPATH=. .venv/bin/python experiments/bench_kernels.py --quick   # CPU smoke, reference
+
+Prints a short table and writes JSON: device, jax_version, copy_tbs (device-to-device copy,
+bytes read + written, best of jnp / cupy / torch), records [{kernel, shape, time_ms, tbs or
+tflops, ...}]. Each case is caught on its own: a failure becomes a record with `error`.
+
+Timing: warm-up, then the median over `reps` of the mean time of `iters` back-to-back calls of
+a jitted function, blocked at the end. Decode pools exceed the 60 MB L2 by far; smaller inputs
+are rotated among several copies so each call reads cold data.
+
+Decode cases: page 32, bf16, B in {32, 128} x context in {4K, 32K} x head_dim {128: 8 KV heads
+x group 4, 256: 4 KV heads x group 2, 512: 2 KV heads x group 4}; sliding window 1024 at 32K vs
+full attention at 1K; fp8; JAX's built-in Triton paged attention (best of a small sweep).
+"""
+
+# %%
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+L2_BYTES = 60 * 2**20
+
+
+def torch_copy_tbs():
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        x = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            y.copy_(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del x, y
+        torch.cuda.empty_cache()
+        return 2 * 2**31 / (np.median(times) * 1e-3) / 1e12
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def cupy_copy_tbs():
+    try:
+        import cupy as cp
+
+        x = cp.empty(2**31, dtype=cp.uint8)
+        y = cp.empty_like(x)
+        for _ in range(3):
+            cp.copyto(y, x)
+        cp.cuda.Device().synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(10):
+            start.record()
+            cp.copyto(y, x)
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end))
+        del x, y
+        cp.get_default_memory_pool().free_all_blocks()
+        return 2 * 2**31 / (np.median(times) * 1e-3) / 1e12
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# Peers measured before JAX takes most of the GPU memory.
+_PEER_COPY = {}
+if __name__ == "__main__" and "--quick" not in os.sys.argv:
+    _PEER_COPY = {"torch": torch_copy_tbs(), "cupy": cupy_copy_tbs()}
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention  # noqa: E402
+
+
+def bench(fn, arg_sets, *, iters=10, reps=5, warmup=2):
+    """Median over reps of the mean per-call time (ms); calls cycle through arg_sets."""
+    out = None
+    for i in range(warmup):
+        out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times = []
+    k = 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*arg_sets[k % len(arg_sets)])
+            k += 1
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters * 1e3)
+    return float(np.median(times))
+
+
+def copies_for(nbytes):
+    """How many input copies make one pass over them exceed the L2 four times."""
+    return int(min(8, max(1, -(-4 * L2_BYTES // max(nbytes, 1)))))
+
+
+# %% decode inputs
+def decode_inputs(key, batch, context, num_kv_heads, group, head_dim, page_size, dtype):
+    """Pool root with K/V pages scattered at random, full contexts."""
+    blocks = -(-context // page_size)
+    num_pages = 2 * batch * blocks
+    k1, k2, k3 = jax.random.split(key, 3)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        pool = jax.random.normal(k1, (num_pages, page_size, num_kv_heads, head_dim), jnp.bfloat16)
+        pool = pool.astype(dtype)
+    else:
+        pool = jax.random.normal(k1, (num_pages, page_size, num_kv_heads, head_dim), dtype)
+    perm = jax.random.permutation(k2, num_pages).astype(jnp.int32)
+    page_table = perm.reshape(batch, 2, blocks)
+    q = jax.random.normal(k3, (batch, num_kv_heads * group, head_dim), jnp.bfloat16)
+    kv_lens = jnp.full((batch,), context, jnp.int32)
+    return q, pool, page_table, kv_lens
+
+
+def decode_bytes(batch, context, num_kv_heads, head_dim, page_size, itemsize, window=None):
+    seen = context if window is None else min(context, window)
+    # Whole pages are read: the first in-window page may be partial.
+    pages = -(-seen // page_size) + (0 if window is None or seen == context else 1)
+    return 2 * batch * pages * page_size * num_kv_heads * head_dim * itemsize
+
+
+DECODE_SHAPES = [
+    # (batch, context, head_dim, num_kv_heads, group)
+    (b, c, d, hkv, g)
+    for b in (32, 128)
+    for c in (4096, 32768)
+    for d, hkv, g in ((128, 8, 4), (256, 4, 2), (512, 2, 4))
+]
+
+
+def run_decode(records, args, quick):
+    ps = 32
+    impl = "reference" if quick else "pallas"
+    shapes = [(2, 256, 128, 2, 2)] if quick else DECODE_SHAPES
+    extra = []
+    if not quick:
+        # Sliding window W=1024 at 32K against full attention at 1K; fp8.
+        extra = [
+            (128, 32768, 256, 4, 2, 1024, jnp.bfloat16),
+            (128, 1024, 256, 4, 2, None, jnp.bfloat16),
+            (128, 32768, 128, 8, 4, None, jnp.float8_e4m3fn),
+            (32, 4096, 128, 8, 4, None, jnp.float8_e4m3fn),
+        ]
+    cases = [(b, c, d, h, g, None, jnp.bfloat16) for b, c, d, h, g in shapes] + extra
+    for batch, context, d, hkv, g, window, dtype in cases:
+        shape = dict(
+            batch=batch,
+            context=context,
+            head_dim=d,
+            page_size=ps,
+            kv_heads=hkv,
+            q_heads=hkv * g,
+            window=window,
+            dtype=jnp.dtype(dtype).name,
+        )
+        name = "decode" if window is None else "decode_window"
+        try:
+            q, pool, pt, lens = decode_inputs(
+                jax.random.key(batch + context + d), batch, context, hkv, g, d, ps, dtype
+            )
+            nbytes = decode_bytes(batch, context, hkv, d, ps, jnp.dtype(dtype).itemsize, window)
+            sets = [(q, pool, pt, lens)]
+            if not quick and pool.nbytes < 4 * L2_BYTES:
+                sets += [(q, pool + 0, pt, lens) for _ in range(copies_for(pool.nbytes) - 1)]
+            tunings = [{}]
+            if args.sweep and not quick:
+                tunings += [dict(block_kv=bk, num_stages=st) for bk in (64, 128) for st in (2, 3)]
+                tunings += [dict(num_splits=s) for s in (1, 2, 4, 8)]
+            best = None
+            for tuning in tunings:
+                try:
+                    fn = jax.jit(
+                        functools.partial(
+                            paged_decode_attention,
+                            scale=d**-0.5,
+                            window=window,
+                            implementation=impl,
+                            **tuning,
+                        )
+                    )
+                    t = bench(fn, sets, iters=3 if quick else 10)
+                except Exception as e:  # noqa: BLE001
+                    records.append(
+                        dict(kernel=f"{name}_try", shape=shape, tuning=tuning, error=repr(e)[:400])
+                    )
+                    continue
+                if args.sweep and not quick:
+                    records.append(
+                        dict(
+                            kernel=f"{name}_try",
+                            shape=shape,
+                            tuning=tuning,
+                            time_ms=t,
+                            tbs=nbytes / (t * 1e-3) / 1e12,
+                        )
+                    )
+                if best is None or t < best[0]:
+                    best = (t, tuning)
+            if best is not None:
+                records.append(
+                    dict(
+                        kernel=name,
+                        shape=shape,
+                        implementation=impl,
+                        tuning=best[1],
+                        time_ms=best[0],
+                        bytes=nbytes,
+                        tbs=nbytes / (best[0] * 1e-3) / 1e12,
+                    )
+                )
+            if not quick and window is None and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+                run_builtin(records, q, pool, pt, lens, shape, nbytes)
+            del q, pool, pt, lens, sets
+        except Exception:  # noqa: BLE001
+            records.append(dict(kernel=name, shape=shape, error=traceback.format_exc()[-600:]))
+
+
+def run_builtin(records, q, pool, pt, lens, shape, nbytes):
+    """JAX's built-in paged attention (Triton lowering): best of a small block sweep."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+        # Its layout: k_pages, v_pages [Hkv, P, S, D] and one block table for both.
+        half = pool.shape[0] // 2
+        k_pages = jnp.moveaxis(pool[:half], 2, 0)
+        v_pages = jnp.moveaxis(pool[half:], 2, 0)
+        perm = jax.random.permutation(jax.random.key(7), half).astype(jnp.int32)
+        table = perm.reshape(pt.shape[0], -1)
+    except Exception:  # noqa: BLE001
+        records.append(
+            dict(kernel="builtin_paged_decode", shape=shape, error=traceback.format_exc()[-400:])
+        )
+        return
+    best, errors = None, []
+    for ppcb in (4, 8, 16):
+        for ks in (1, 4, 8):
+            try:
+                fn = jax.jit(
+                    functools.partial(
+                        jpa.paged_attention, pages_per_compute_block=ppcb, k_splits=ks
+                    )
+                )
+                t = bench(fn, [(q, k_pages, v_pages, table, lens)], iters=5, reps=3)
+                if best is None or t < best[0]:
+                    best = (t, ppcb, ks)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"ppcb={ppcb} k_splits={ks}: {repr(e)[:150]}")
+    if best is None:
+        records.append(dict(kernel="builtin_paged_decode", shape=shape, error=errors[:3]))
+    else:
+        records.append(
+            dict(
+                kernel="builtin_paged_decode",
+                shape=shape,
+                time_ms=best[0],
+                tbs=nbytes / (best[0] * 1e-3) / 1e12,
+                params=dict(pages_per_compute_block=best[1], k_splits=best[2]),
+            )
+        )
+    del k_pages, v_pages, table
+
+
+# %% prefill
+def run_prefill(records, args, quick):
+    """One 8K-token causal chunk (empty history) through the paged kernel vs dense cuDNN."""
+    ps = 64
+    tokens = 256 if quick else 8192
+    heads = 4 if quick else 16
+    impl = "reference" if quick else "pallas"
+    for d, hkv in ((128, 8), (256, 8), (512, 4)):
+        if quick:
+            if d != 128:
+                continue
+            hkv = 2
+        shape = dict(
+            batch=1,
+            tokens=tokens,
+            context=tokens,
+            head_dim=d,
+            page_size=ps,
+            kv_heads=hkv,
+            q_heads=heads,
+        )
+        flops = 4 * tokens * tokens * d * heads / 2
+        cudnn_t = None
+        key = jax.random.key(d)
+        kq, kk, kv = jax.random.split(key, 3)
+        q4 = jax.random.normal(kq, (1, tokens, heads, d), jnp.bfloat16)
+        k4 = jax.random.normal(kk, (1, tokens, hkv, d), jnp.bfloat16)
+        v4 = jax.random.normal(kv, (1, tokens, hkv, d), jnp.bfloat16)
+        if not quick:
+            try:
+                f = jax.jit(
+                    functools.partial(
+                        jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"
+                    )
+                )
+                cudnn_t = bench(f, [(q4, k4, v4)])
+                records.append(
+                    dict(
+                        kernel="prefill_dense_cudnn",
+                        shape=shape,
+                        time_ms=cudnn_t,
+                        tflops=flops / (cudnn_t * 1e-3) / 1e12,
+                    )
+                )
+            except Exception as e:  # noqa: BLE001
+                records.append(dict(kernel="prefill_dense_cudnn", shape=shape, error=repr(e)[:300]))
+        try:
+            blocks = tokens // ps
+            # Pages of one sequence, K/V adjacent as in the pool (V page = K page + 1).
+            pool = jnp.stack(
+                [k4[0].reshape(blocks, ps, hkv, d), v4[0].reshape(blocks, ps, hkv, d)], axis=1
+            )
+            pool = pool.reshape(2 * blocks, ps, hkv, d)
+            perm = jnp.arange(blocks, dtype=jnp.int32) * 2
+            pt = jnp.stack([perm, perm + 1])[None]  # [1, 2, NB]
+            q_starts = jnp.array([0, tokens], jnp.int32)
+            lens = jnp.array([tokens], jnp.int32)
+            fn = jax.jit(
+                functools.partial(ragged_paged_attention, scale=d**-0.5, implementation=impl)
+            )
+            t = bench(fn, [(q4[0], pool, pt, q_starts, lens)], iters=2 if quick else 10)
+            rec = dict(
+                kernel="prefill",
+                shape=shape,
+                implementation=impl,
+                time_ms=t,
+                tflops=flops / (t * 1e-3) / 1e12,
+            )
+            if cudnn_t is not None:
+                rec["ratio_to_cudnn"] = cudnn_t / t
+            records.append(rec)
+        except Exception as e:  # noqa: BLE001
+            records.append(dict(kernel="prefill", shape=shape, error=repr(e)[:400]))
+
+
+# %% kv_write
+def run_kv_write(records, args, quick):
+    impl = "reference" if quick else "pallas"
+    ps = 32
+    for batch, new, context, d, hkv in ((128, 1, 4096, 256, 4), (1, 8192, 8192, 256, 4)):
+        if quick:
+            batch, new, context, d, hkv = min(batch, 2), min(new, 16), 64, 128, 2
+        shape = dict(
+            batch=batch, new_tokens=new, context=context, head_dim=d, kv_heads=hkv, page_size=ps
+        )
+        try:
+            blocks = -(-context // ps)
+            pool = jnp.zeros((2 * batch * blocks, ps, hkv, d), jnp.bfloat16)
+            perm = jax.random.permutation(jax.random.key(0), 2 * batch * blocks)
+            pt = perm.astype(jnp.int32).reshape(batch, 2, blocks)
+            kk = jax.random.normal(jax.random.key(1), (batch * new, hkv, d), jnp.bfloat16)
+            q_starts = jnp.arange(batch + 1, dtype=jnp.int32) * new
+            lens = jnp.full((batch,), context, jnp.int32)
+            fn = jax.jit(functools.partial(kv_write, implementation=impl), donate_argnums=0)
+            state = [pool]
+
+            def step(k, v, q_starts, lens, fn=fn, state=state, pt=pt):
+                state[0] = fn(state[0], pt, k, v, q_starts, lens)
+                return state[0]
+
+            t = bench(step, [(kk, kk, q_starts, lens)], iters=3 if quick else 20)
+            nbytes = 2 * 2 * kk.nbytes  # read new K/V, write them into pages
+            records.append(
+                dict(
+                    kernel="kv_write",
+                    shape=shape,
+                    implementation=impl,
+                    time_ms=t,
+                    bytes=nbytes,
+                    tbs=nbytes / (t * 1e-3) / 1e12,
+                )
+            )
+        except Exception as e:  # noqa: BLE001
+            records.append(dict(kernel="kv_write", shape=shape, error=repr(e)[:400]))
+
+
+# %% main
+def jnp_copy_tbs(quick):
+    n = 2**20 if quick else 2**31
+    x = jnp.ones((n,), jnp.uint8)
+    t = bench(jax.jit(lambda a: a + jnp.uint8(1)), [(x,)], iters=3 if quick else 10)
+    return 2 * n / (t * 1e-3) / 1e12
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="experiments/results/kernels_h200.json")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, reference implementation")
+    p.add_argument("--only", default="", help="regex over decode|prefill|kv_write")
+    p.add_argument("--sweep", action="store_true", help="also sweep decode tuning knobs")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    res = dict(
+        device=dev.device_kind,
+        platform=dev.platform,
+        jax_version=jax.__version__,
+        argv=os.sys.argv[1:],
+        records=[],
+    )
+    copies = dict(jnp=jnp_copy_tbs(args.quick), **_PEER_COPY)
+    res["copy_tbs_by_library"] = copies
+    res["copy_tbs"] = max(v for v in copies.values() if v is not None)
+    for name, fn in (("decode", run_decode), ("prefill", run_prefill), ("kv_write", run_kv_write)):
+        if args.only and not re.search(args.only, name):
+            continue
+        t0 = time.time()
+        try:
+            fn(res["records"], args, args.quick)
+        except Exception:  # noqa: BLE001
+            res["records"].append(dict(kernel=name, error=traceback.format_exc()[-600:]))
+        print(f"[{name}: {time.time() - t0:.0f} s]", flush=True)
+        with open(args.out, "w") as f:  # partial results survive a later crash
+            json.dump(res, f, indent=1, default=str)
+    print(f"device {res['device']} jax {res['jax_version']} copy {res['copy_tbs']:.2f} TB/s")
+    for r in res["records"]:
+        if r["kernel"].endswith("_try"):
+            continue
+        sh = r.get("shape", {})
+        desc = " ".join(f"{k}={v}" for k, v in sh.items() if v is not None)
+        val = r.get("tbs", r.get("tflops", float("nan")))
+        unit = "TB/s" if "tbs" in r else "TFLOP/s"
+        extra = f" x{r['ratio_to_cudnn']:.2f} cudnn" if "ratio_to_cudnn" in r else ""
+        err = str(r.get("error", ""))[:90]
+        print(
+            f"{r['kernel']:<22} {desc:<78} {r.get('time_ms', float('nan')):9.3f} ms "
+            f"{val:7.2f} {unit}{extra} {err}"
+        )
+
+
+if __name__ == "__main__":
+    main()
