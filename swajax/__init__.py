@@ -72,3 +72,10 @@ __all__ += [
     "step_metadata",
     "step_page_tables",
 ]
+
+# Generation on the pool.
+from swajax._engine import Engine, RunStats  # noqa: E402
+from swajax._generate import generate  # noqa: E402
+from swajax._sampling import SamplingParams  # noqa: E402
+
+__all__ += ["Engine", "RunStats", "SamplingParams", "generate"]

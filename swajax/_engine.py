@@ -1,0 +1,336 @@
+"""The generation engine: admission in waves, chunked prefill, decode, on one KV pool.
+
+Owns the jitted step (free finished rows, reserve, page-table gather, paged forward, sample,
+advance) and the host loop that schedules requests onto batch rows.
+
+A step is one call of a compiled function whose pool state is donated (updated in place).
+Its shapes depend only on the token bucket T and on whether the step is decode-only, so a
+run compiles a handful of variants and decode steps never recompile (`Engine.trace_count`).
+
+Admission is decided in slots, never by running out of memory: a request is admitted into a
+free row only when, for every pool group, the peak slots of the admitted requests plus its
+own (`request_slots`, simulated from the layout) fit the group. A request that does not fit
+waits for others to finish: a batch larger than the pool is served in waves, never dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from swajax._budget import request_slots
+from swajax._config import KVCacheConfig, resolve_scratch_policy
+from swajax._layout import KVLayout, make_layout
+from swajax._paged import make_attention_fn, token_positions
+from swajax._sampling import SamplingParams, sample
+from swajax._state import KVPoolState, init_state
+from swajax._transforms import advance, free_rows, reserve, step_metadata, step_page_tables
+
+MIN_BUCKET = 8
+
+
+def _bucket(n: int) -> int:
+    """Static token-axis length for n tokens: the next power of two (at least MIN_BUCKET)."""
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+
+
+def _step(
+    params,
+    state: KVPoolState,
+    tokens,
+    new_tokens,
+    finished,
+    key,
+    sampling,
+    *,
+    graphdef,
+    layout: KVLayout,
+    decode: bool,
+    implementation: str,
+):
+    """One engine step; returns (state, next_tokens i32[B], ok, row_logits f32[B, V], free i32[G]).
+
+    tokens: i32[T] packed new tokens; new_tokens: i32[B] per row; finished: bool[B] rows to free
+    first. next_tokens[b] is sampled from the logits of row b's last new token.
+    """
+    state = free_rows(layout, state, finished)
+    ok, state = reserve(layout, state, new_tokens)
+    free_after_reserve = state.free_count
+    meta = step_metadata(layout, state)
+    tables = step_page_tables(layout, state, implementation=implementation)
+    num_tokens = tokens.shape[0]
+    positions = token_positions(meta, num_tokens)
+    attention_fn = make_attention_fn(
+        layout,
+        tables,
+        meta,
+        state.k_scales,
+        state.v_scales,
+        decode=decode,
+        implementation=implementation,
+    )
+    model = nnx.merge(graphdef, params)
+    last = jnp.clip(meta.q_starts[1:] - 1, 0, num_tokens - 1)  # [B]
+    logits, pools = model.forward(
+        tokens,
+        positions,
+        attention_fn=attention_fn,
+        attention_state=state.pools,
+    )
+    logits = logits[last]  # [B, V]
+    next_tokens = sample(logits, key, **sampling)
+    state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
+    return state, next_tokens, ok, logits, free_after_reserve
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    need: tuple[int, ...]
+    fed: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_new_tokens
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What one `Engine.run` did: steps, tokens, time, peak slots held per pool group."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0
+    peak_slots: tuple[int, ...] = ()
+    num_slots: tuple[int, ...] = ()
+    max_concurrent: int = 0
+    step_logits: list | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.prefill_tokens + self.decode_tokens) / max(self.seconds, 1e-9)
+
+
+class Engine:
+    """Serves prompts on a paged KV pool sized from a `KVCacheConfig`.
+
+    Args:
+      model: a model with `config.layer_specs`, `config.vocab_size`, `config.max_context`
+        and `forward(tokens, positions, *, attention_fn, attention_state, logits_indices)`
+        (e.g. `gemma.Transformer`).
+      kv_cache_config: the KV cache settings (page size, byte quota, scratch policy, dtype...).
+      max_context: longest sequence this engine serves (prompt + new tokens).
+      max_batch: batch rows (default kv_cache_config.max_batch, else 16).
+      prefill_chunk_size: prompt tokens per row per step (default kv_cache_config.chunk_size,
+        else 512).
+      implementation: kernels: "reference", "pallas" or "auto".
+      min_prefill_bucket: smallest token-axis length of a prefill step (steps are padded to
+        powers of two from here; a large value means one compiled prefill variant).
+    """
+
+    def __init__(
+        self,
+        model,
+        kv_cache_config: KVCacheConfig,
+        *,
+        max_context: int,
+        max_batch: int | None = None,
+        prefill_chunk_size: int | None = None,
+        implementation: str = "auto",
+        min_prefill_bucket: int = MIN_BUCKET,
+    ):
+        config = model.config
+        if prefill_chunk_size is None:
+            prefill_chunk_size = kv_cache_config.chunk_size or 512
+        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
+        max_batch = max_batch or kv_cache_config.max_batch or 16
+        scratch = resolve_scratch_policy(
+            kv_cache_config,
+            is_multimodal=getattr(config, "is_multimodal", False),
+            has_external_kv_draft=getattr(config, "has_external_kv_draft", False),
+        )
+        self.chunk = min(prefill_chunk_size, max_context)
+        self.layout = make_layout(
+            config.layer_specs,
+            kv_cache_config,
+            max_context=max_context,
+            max_batch=max_batch,
+            max_chunk=self.chunk,
+            scratch=scratch,
+        )
+        self.vocab_size = config.vocab_size
+        self.implementation = implementation
+        self.min_prefill_bucket = min_prefill_bucket
+        self.graphdef, self.params = nnx.split(model)
+        self.state = init_state(self.layout)
+        self.trace_count = 0
+        self._need_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+
+        def traced_step(*args, **kwargs):
+            self.trace_count += 1
+            return _step(*args, **kwargs)
+
+        self._step = jax.jit(
+            traced_step,
+            static_argnames=("graphdef", "layout", "decode", "implementation"),
+            donate_argnames=("state",),
+        )
+
+    @property
+    def num_slots(self) -> tuple[int, ...]:
+        return tuple(g.num_slots for g in self.layout.groups)
+
+    def request_need(self, prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
+        """Peak slots per pool group of one request (cached per shape)."""
+        k = (prompt_len, max_new_tokens)
+        if k not in self._need_cache:
+            self._need_cache[k] = request_slots(
+                self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens
+            )
+        return self._need_cache[k]
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """ValueError if one request alone can never fit the pool or the context."""
+        total = prompt_len + max_new_tokens
+        if total > self.layout.max_context:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
+                f"exceeds the engine's max_context={self.layout.max_context}"
+            )
+        need = self.request_need(prompt_len, max_new_tokens)
+        for g, (n, have) in enumerate(zip(need, self.num_slots, strict=True)):
+            if n > have:
+                raise ValueError(
+                    f"a request of {prompt_len} prompt tokens + {max_new_tokens} new tokens needs "
+                    f"{n} slots of pool group {g} (life cycle {self.layout.groups[g].life_cycle}) "
+                    f"but the pool has {have}; raise max_gpu_total_bytes / "
+                    "free_gpu_memory_fraction or shorten the request"
+                )
+
+    def run(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        collect_logits: bool = False,
+        progress: bool = False,
+    ) -> tuple[list[list[int]], RunStats]:
+        """Generates max_new_tokens tokens for every prompt; returns (outputs, stats)."""
+        sampling = sampling or SamplingParams()
+        for p in prompts:
+            self.check_fits(len(p), max_new_tokens)
+        sampling_arrays = sampling.as_arrays()
+        base_key = jax.random.key(seed)
+        layout, num_rows = self.layout, self.layout.max_batch
+        waiting = collections.deque(
+            _Request(i, list(p), max_new_tokens, self.request_need(len(p), max_new_tokens))
+            for i, p in enumerate(prompts)
+        )
+        rows: list[_Request | None] = [None] * num_rows
+        held = np.zeros(len(self.num_slots), np.int64)
+        capacity = np.asarray(self.num_slots)
+        finished = np.zeros(num_rows, bool)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        stats = RunStats(num_slots=self.num_slots, peak_slots=(0,) * len(capacity))
+        stats.step_logits = [] if collect_logits else None
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="generate")
+        t0 = time.perf_counter()
+        while waiting or any(r is not None for r in rows):
+            for b in range(num_rows):
+                if rows[b] is None and waiting and np.all(held + waiting[0].need <= capacity):
+                    rows[b] = waiting.popleft()
+                    held += rows[b].need
+            active = [b for b in range(num_rows) if rows[b] is not None]
+            if not active:  # cannot happen: check_fits guarantees one request fits an empty pool
+                raise RuntimeError("no request could be admitted into an empty pool")
+            stats.max_concurrent = max(stats.max_concurrent, len(active))
+            new_tokens = np.zeros(num_rows, np.int32)
+            chunks = []
+            for b in active:
+                r = rows[b]
+                if r.fed < len(r.prompt):
+                    piece = r.prompt[r.fed : r.fed + self.chunk]
+                else:
+                    piece = [r.out[-1]]
+                new_tokens[b] = len(piece)
+                chunks.append(piece)
+            decode = bool(np.all(new_tokens <= 1))
+            flat = [t for piece in chunks for t in piece]
+            size = (
+                _bucket(len(flat)) if decode else _bucket(max(len(flat), self.min_prefill_bucket))
+            )
+            tokens = np.zeros(size, np.int32)
+            tokens[: len(flat)] = flat
+            key = jax.random.fold_in(base_key, stats.steps)
+            self.state, next_tokens, ok, logits, free = self._step(
+                self.params,
+                self.state,
+                jnp.asarray(tokens),
+                jnp.asarray(new_tokens),
+                jnp.asarray(finished),
+                key,
+                sampling_arrays,
+                graphdef=self.graphdef,
+                layout=layout,
+                decode=decode,
+                implementation=self.implementation,
+            )
+            next_tokens = np.asarray(next_tokens)
+            if not bool(ok):
+                raise RuntimeError(
+                    "internal error: a step's slot reservation failed despite admission control "
+                    f"(new_tokens={new_tokens.tolist()}); the pool state is unchanged"
+                )
+            used = capacity - np.asarray(free)
+            stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, used))
+            stats.steps += 1
+            finished[:] = False
+            for b in active:
+                r = rows[b]
+                if r.fed < len(r.prompt):
+                    r.fed += int(new_tokens[b])
+                    stats.prefill_tokens += int(new_tokens[b])
+                    if r.fed < len(r.prompt):
+                        continue
+                else:
+                    stats.decode_tokens += 1
+                r.out.append(int(next_tokens[b]))
+                if collect_logits:
+                    stats.step_logits.append((r.index, len(r.out) - 1, np.asarray(logits[b])))
+                if bar is not None:
+                    bar.update(1)
+                if r.done:
+                    outputs[r.index] = r.out
+                    rows[b] = None
+                    held -= r.need
+                    finished[b] = True
+        if finished.any():
+            self.state = _free_jit(layout, self.state, jnp.asarray(finished))
+        jax.block_until_ready(self.state)
+        stats.seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        return outputs, stats
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _free_jit(layout, state, rows):
+    return free_rows(layout, state, rows)

@@ -1,0 +1,95 @@
+"""The paged forward: a model's attention layers run on the KV pool.
+
+Owns the attention hook handed to `model.forward` (write the chunk's K/V into the layer's
+pages, then attend through the layer's page table) and the positions of a ragged batch.
+
+Axis names: T packed new tokens of the step, B batch rows, Hq query heads, Hkv KV heads,
+D head_dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention
+from swajax._layout import KVLayout
+from swajax._transforms import StepMetadata, layer_page_table
+
+
+def token_rows(meta: StepMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """(row, valid): the batch row owning each packed token, and whether it is a real token."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
+    row = jnp.searchsorted(meta.q_starts[1:], t, side="right").astype(jnp.int32)
+    valid = t < meta.q_starts[-1]
+    return jnp.minimum(row, meta.kv_lens.shape[0] - 1), valid
+
+
+def token_positions(meta: StepMetadata, num_tokens: int) -> jax.Array:
+    """i32[T] absolute position of each packed token (0 for padding)."""
+    row, valid = token_rows(meta, num_tokens)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    pos = meta.kv_lens[row] - meta.q_lens[row] + (t - meta.q_starts[row])
+    return jnp.where(valid, pos, 0)
+
+
+def make_attention_fn(
+    layout: KVLayout,
+    tables: tuple[jax.Array, ...],
+    meta: StepMetadata,
+    k_scales: jax.Array,
+    v_scales: jax.Array,
+    *,
+    decode: bool,
+    implementation: str = "auto",
+):
+    """The `attention_fn(i, q, k, v, pools) -> (out, pools)` hook of `model.forward`.
+
+    Layers that write KV (k is not None) first write the step's new K/V into their pages, then
+    every layer attends through its page table; KV-shared layers read their writer's pages.
+    `decode=True` (every row has at most one new token) uses the decode kernel: the packed
+    queries are gathered into one row per sequence and scattered back.
+    """
+
+    def attention_fn(i, q, k, v, pools):
+        spec = layout.layer_specs[i]
+        pool_index, _ = layout.layer_table_index(i)
+        page_table = layer_page_table(layout, tables, i)  # [B, 2, NB]
+        ks, vs = k_scales[pool_index], v_scales[pool_index]
+        pools = list(pools)
+        if k is not None:
+            pools[pool_index] = kv_write(
+                pools[pool_index],
+                page_table,
+                k,
+                v,
+                meta.q_starts,
+                meta.kv_lens,
+                k_scale=ks,
+                v_scale=vs,
+                implementation=implementation,
+            )
+        kw = dict(
+            scale=spec.scale,
+            window=spec.window,
+            softcap=spec.softcap,
+            k_scale=ks,
+            v_scale=vs,
+            implementation=implementation,
+        )
+        pool = pools[pool_index]
+        if decode:
+            num_tokens = q.shape[0]
+            active = meta.q_lens > 0  # [B]
+            first = jnp.clip(meta.q_starts[:-1], 0, num_tokens - 1)
+            q_rows = q[first]  # [B, Hq, D]
+            out_rows = paged_decode_attention(
+                q_rows, pool, page_table, jnp.where(active, meta.kv_lens, 0), **kw
+            )
+            row, valid = token_rows(meta, num_tokens)
+            out = jnp.where(valid[:, None, None], out_rows[row], 0).astype(q.dtype)  # [T, Hq, D]
+        else:
+            out = ragged_paged_attention(q, pool, page_table, meta.q_starts, meta.kv_lens, **kw)
+        return out, tuple(pools)
+
+    return attention_fn
