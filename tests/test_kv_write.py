@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels import _checks
 from pallas_kernels.kv_write import kv_write, kv_write_reference
 
 BAD = -1
@@ -125,3 +126,82 @@ def test_kv_write_validation():
         kv_write(pool, args[0], args[1], args[2], args[3], args[4].astype(jnp.float32))
     with pytest.raises(ValueError, match="implementation"):
         kv_write(pool, *args, implementation="cuda")
+
+
+# --------------------------------------------------------------------------- Pallas kernel
+MODES = ["interpret", pytest.param("compiled", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "name,dtype,scaled",
+    [
+        ("ragged", jnp.bfloat16, False),
+        ("bad_page", jnp.float8_e4m3fn, True),
+        ("decode", jnp.bfloat16, True),
+    ],
+)
+def test_kv_write_kernel_exact(name, dtype, scaled, mode):
+    q_lens, kv_lens, num_tokens, bad = CASES[name]
+    page_table, q_starts, kv_lens, k, v, shape = make_write_case(
+        7 + sorted(CASES).index(name), q_lens, kv_lens, num_tokens=num_tokens, bad_block=bad
+    )
+    pool = np.full(shape, np.nan, np.float32).astype(jnp.dtype(dtype))
+    ks, vs = (0.25, 0.5) if scaled else (None, None)
+    k16, v16 = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    ctx = _checks.force_interpret() if mode == "interpret" else _checks.force_compiled()
+    with ctx:
+        write = jax.jit(
+            lambda *a: kv_write(*a, k_scale=ks, v_scale=vs, implementation="pallas"),
+            donate_argnums=0,
+        )
+        got = write(
+            jnp.asarray(pool),
+            jnp.asarray(page_table),
+            k16,
+            v16,
+            jnp.asarray(q_starts),
+            jnp.asarray(kv_lens),
+        )
+    want = expected_pool(
+        pool,
+        page_table,
+        q_starts,
+        kv_lens,
+        np.asarray(k16, np.float32),
+        np.asarray(v16, np.float32),
+        ks or 1.0,
+        vs or 1.0,
+    )
+    _same(got, want)
+
+
+@pytest.mark.gpu
+def test_kv_write_kernel_gpu_large():
+    q_lens = [1] * 100 + [900, 0, 37]
+    kv_lens = [1 + 13 * i for i in range(100)] + [2000, 50, 37]
+    page_table, q_starts, kv_lens, k, v, shape = make_write_case(
+        5, q_lens, kv_lens, num_kv_heads=4, head_dim=256, page_size=32, num_tokens=1100
+    )
+    pool = np.full(shape, np.nan, np.float32).astype(jnp.bfloat16)
+    k16, v16 = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    got = kv_write(
+        jnp.asarray(pool),
+        jnp.asarray(page_table),
+        k16,
+        v16,
+        jnp.asarray(q_starts),
+        jnp.asarray(kv_lens),
+        implementation="pallas",
+    )
+    want = expected_pool(
+        pool,
+        page_table,
+        q_starts,
+        kv_lens,
+        np.asarray(k16, np.float32),
+        np.asarray(v16, np.float32),
+        1.0,
+        1.0,
+    )
+    _same(got, want)
