@@ -327,11 +327,43 @@ def restore_params(
             "config_or_model must be a TransformerConfig or a Transformer, got "
             f"{type(config_or_model).__name__}"
         )
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"no Orbax checkpoint at {path!r}")
     with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            state = checkpointer.restore(os.path.abspath(path), abstract_state)
-        except (ValueError, KeyError, TypeError) as error:
+        item_metadata = checkpointer.metadata(path).item_metadata
+        if item_metadata is None:
+            raise ValueError(f"no Orbax checkpoint metadata at {path!r}")
+        saved = _flat_shapes(item_metadata)
+        wanted = _flat_shapes(abstract_state)
+        problems = [f"{k}: missing in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+        problems += [f"{k}: not in the model" for k in sorted(saved.keys() - wanted.keys())]
+        problems += [
+            f"{k}: checkpoint shape {saved[k]}, model shape {wanted[k]}"
+            for k in sorted(wanted.keys() & saved.keys())
+            if saved[k] != wanted[k]
+        ]
+        if problems:
             raise ValueError(
-                f"the checkpoint at {str(path)!r} does not match the model: {error}"
-            ) from error
+                f"the checkpoint at {path!r} does not match the model: " + "; ".join(problems)
+            )
+        state = checkpointer.restore(path, abstract_state)
     return nnx.merge(graphdef, state)
+
+
+def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """'layers/0/attn/q_proj' -> shape, for a saved metadata tree or an (abstract) nnx state."""
+
+    def name(key):
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    flat = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [name(k) for k in path]
+        if names and names[-1] == "value":
+            names = names[:-1]
+        flat["/".join(names)] = tuple(leaf.shape)
+    return flat

@@ -12,6 +12,7 @@ heads, K KV heads, H head dim, F MLP width, E experts, P per-layer-input width.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,27 @@ class Buffer(nnx.Variable):
     """A non-trainable array saved with the parameters (HF `nn.Buffer`, e.g. layer_scalar)."""
 
 
+# Arrays up to this size are drawn on the host: XLA compiles a random-normal program per
+# shape, which dominates the init time of small models on CPU (about 0.5 s per shape).
+_HOST_INIT_MAX_SIZE = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
+def _scaled_normal(key, shape, dtype, std):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> jax.Array:
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    """N(0, std^2) of `shape`, deterministic in the seed and call order of `rngs`."""
+    shape, dtype = tuple(shape), jnp.dtype(dtype)
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer) or math.prod(shape) > _HOST_INIT_MAX_SIZE:
+        return _scaled_normal(key, shape, dtype, std)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    generator = np.random.default_rng(np.asarray(key).ravel())
+    values = generator.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return jnp.asarray(values, dtype=dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

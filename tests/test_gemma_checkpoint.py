@@ -1,0 +1,183 @@
+"""Checkpoint errors (missing / mis-shaped tensors, unknown architectures), Orbax round trip,
+random init, and token-id validation at the API boundary."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import gemma
+
+CASE = Path(__file__).parent / "fixtures" / "hf" / "gemma3_linear"
+SHARDED = Path(__file__).parent / "fixtures" / "hf" / "gemma3_sharded"
+
+
+def tiny_gemma4(**overrides):
+    kw = dict(
+        num_layers=6,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        global_head_dim=16,
+        vocab_size=64,
+        per_layer_input_dim=4,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=8,
+    )
+    return gemma.configs.gemma4_e2b(**{**kw, **overrides})
+
+
+@pytest.fixture
+def case_copy(tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(CASE, target)
+    return target
+
+
+def _rewrite_tensors(directory: Path, edit) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def test_missing_tensor_is_named(case_copy):
+    _rewrite_tensors(case_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(
+        ValueError, match=r"missing tensors.*model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
+        gemma.from_pretrained(case_copy)
+
+
+def test_misshaped_tensor_is_named(case_copy):
+    def edit(t):
+        t["model.layers.0.self_attn.q_norm.weight"] = np.zeros((17,), np.float32)
+
+    _rewrite_tensors(case_copy, edit)
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.self_attn\.q_norm\.weight: expected \(16,\), got \(17,\)",
+    ):
+        gemma.from_pretrained(case_copy)
+
+
+def test_unknown_architecture_is_named(case_copy):
+    config = json.loads((case_copy / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (case_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'"):
+        gemma.from_pretrained(case_copy)
+
+
+def test_missing_files(tmp_path, case_copy):
+    with pytest.raises(ValueError, match="no config.json"):
+        gemma.from_pretrained(tmp_path)
+    (case_copy / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        gemma.from_pretrained(case_copy)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(SHARDED, sharded)
+    (sharded / "model-00003-of-00006.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00003-of-00006.safetensors"):
+        gemma.from_pretrained(sharded)
+
+
+def test_loaded_values_and_layouts(case_copy):
+    """Spot-check the [out, in] -> einsum layout conversion against the raw tensors."""
+    raw = load_file(case_copy / "model.safetensors")
+    model = gemma.from_pretrained(case_copy)
+    q = raw["model.layers.2.self_attn.q_proj.weight"]  # [N*H, D]
+    np.testing.assert_array_equal(
+        model.layers[2].attn.q_proj[...], q.reshape(4, 16, 64).transpose(2, 0, 1)
+    )
+    o = raw["model.layers.2.self_attn.o_proj.weight"]  # [D, N*H]
+    np.testing.assert_array_equal(model.layers[2].attn.o_proj[...], o.T.reshape(4, 16, 64))
+    np.testing.assert_array_equal(
+        model.layers[7].mlp.down_proj[...], raw["model.layers.7.mlp.down_proj.weight"].T
+    )
+
+
+def _leaves(model):
+    return jax.tree_util.tree_leaves_with_path(nnx.state(model))
+
+
+def test_orbax_round_trip(tmp_path):
+    model = gemma.Transformer(tiny_gemma4(), rngs=nnx.Rngs(3))
+    # Non-default buffers and norms, so a restore that re-initialises would be caught.
+    model.layers[2].layer_scalar[...] = jnp.array([0.5])
+    model.final_norm.scale[...] = jnp.linspace(0.5, 1.5, 32)
+    gemma.save_params(model, tmp_path / "params")
+    from_config = gemma.restore_params(model.config, tmp_path / "params")
+    from_model = gemma.restore_params(
+        gemma.Transformer(model.config, rngs=nnx.Rngs(9)), tmp_path / "params"
+    )
+    expected = _leaves(model)
+    assert any("layer_scalar" in jax.tree_util.keystr(p) for p, _ in expected)
+    for restored in (from_config, from_model):
+        got = _leaves(restored)
+        assert [p for p, _ in got] == [p for p, _ in expected]
+        for (path, a), (_, b) in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype, path
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    with pytest.raises(ValueError, match="already exists|exists"):
+        gemma.save_params(model, tmp_path / "params")
+    gemma.save_params(model, tmp_path / "params", overwrite=True)
+
+
+def test_orbax_restore_into_other_geometry_raises(tmp_path):
+    model = gemma.Transformer(tiny_gemma4(), rngs=nnx.Rngs(0))
+    gemma.save_params(model, tmp_path / "params")
+    with pytest.raises(ValueError, match=r"embedding: checkpoint shape \(64, 32\), model shape"):
+        gemma.restore_params(tiny_gemma4(hidden_size=16), tmp_path / "params")
+    with pytest.raises(ValueError, match="layers/6/attn/q_proj: missing in the checkpoint"):
+        gemma.restore_params(tiny_gemma4(num_layers=7), tmp_path / "params")
+    with pytest.raises(ValueError, match="no Orbax checkpoint"):
+        gemma.restore_params(model, tmp_path / "nothing")
+
+
+def test_random_init_is_seeded():
+    config = tiny_gemma4()
+    a = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    b = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    c = gemma.Transformer(config, rngs=nnx.Rngs(1))
+    np.testing.assert_array_equal(a.layers[1].moe.gate_proj[...], b.layers[1].moe.gate_proj[...])
+    assert not np.array_equal(a.embedding[...], c.embedding[...])
+    assert a.layers[5].attn.k_proj is None  # KV-shared layer
+    assert float(jnp.std(a.embedding[...])) == pytest.approx(0.02, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "tokens, error, match",
+    [
+        ([[1, -1]], ValueError, r"token id -1 is outside the vocabulary \[0, 64\)"),
+        ([[1, 64]], ValueError, r"token id 64 is outside the vocabulary \[0, 64\)"),
+        ([3, 70], ValueError, "token id 70"),
+        ([[0.5, 1.0]], TypeError, "integer"),
+        ([[[1]]], ValueError, r"i32\[B, T\]"),
+    ],
+)
+def test_bad_tokens_raise(tokens, error, match):
+    model = gemma.Transformer(
+        tiny_gemma4(num_experts=0, num_experts_per_token=0, moe_intermediate_size=0),
+        rngs=nnx.Rngs(0),
+    )
+    with pytest.raises(error, match=match):
+        model(jnp.asarray(tokens))
+
+
+def test_token_range_includes_per_layer_vocab_and_positions_shape():
+    config = tiny_gemma4(per_layer_input_vocab_size=32)
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    assert model(jnp.array([[0, 31]])).shape == (1, 2, 64)
+    with pytest.raises(ValueError, match=r"token id 40 is outside the vocabulary \[0, 32\)"):
+        model(jnp.array([[0, 40]]))
+    with pytest.raises(ValueError, match=r"positions shape \(1, 3\) must equal tokens shape"):
+        model(jnp.array([[0, 1]]), jnp.array([[0, 1, 2]]))

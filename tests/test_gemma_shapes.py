@@ -1,0 +1,94 @@
+"""Full-size presets build abstractly (nnx.eval_shape) with Hugging Face's parameter counts."""
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import gemma
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PARAM_COUNTS = json.loads((FIXTURES / "param_counts.json").read_text())
+HF_PRESETS = json.loads((FIXTURES / "hf_presets.json").read_text())
+NAMES = list(gemma.configs.PRESET_NAMES)
+
+
+@functools.cache
+def abstract_model(name: str) -> gemma.Transformer:
+    config = gemma.configs.preset(name)
+    return nnx.eval_shape(
+        lambda: gemma.Transformer(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_param_count_matches_hf(name):
+    model = abstract_model(name)
+    assert model.num_params == PARAM_COUNTS[name]["num_params"], name
+    embeddings = model.embedding.size
+    if model.per_layer_embedding is not None:
+        embeddings += model.per_layer_embedding.size
+    assert embeddings == PARAM_COUNTS[name]["num_params_embeddings"], name
+
+
+def _hf_kv_bytes(hf: dict, itemsize: int) -> dict[str, int]:
+    """K+V bytes per token and layer from the HF config alone (Hub key form)."""
+    full_kv = hf["num_key_value_heads"]
+    if hf.get("attention_k_eq_v") and hf.get("num_global_key_value_heads"):
+        full_kv = hf["num_global_key_value_heads"]
+    return {
+        "sliding": 2 * hf["num_key_value_heads"] * hf["head_dim"] * itemsize,
+        "full": 2 * full_kv * hf.get("global_head_dim", hf["head_dim"]) * itemsize,
+    }
+
+
+def test_eval_shape_table():
+    """Preset, parameters and bf16 KV bytes per token per layer type (printed with -s)."""
+    rows = []
+    for name in NAMES:
+        config = gemma.configs.preset(name)
+        kv = config.kv_bytes_per_token(jnp.bfloat16)
+        assert kv == _hf_kv_bytes(HF_PRESETS[name], 2), name
+        rows.append((name, abstract_model(name).num_params, kv, config.kv_layer_counts))
+    header = f"{'preset':16s} {'params':>15s} {'KV B/tok sliding':>17s} {'KV B/tok full':>14s}"
+    print(f"\n{header}  KV layers")
+    for name, params, kv, counts in rows:
+        print(
+            f"{name:16s} {params:15,d} {kv['sliding']:17,d} {kv['full']:14,d}  "
+            f"{counts['sliding']} sliding / {counts['full']} full"
+        )
+    assert len(rows) == 10
+
+
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_26b_a4b"])
+def test_full_size_forward_shapes(name):
+    """The dense forward of a full-size preset traces abstractly to f32 logits [B, T, V]."""
+    model = abstract_model(name)
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+    def logits(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    out = jax.eval_shape(logits, state, tokens)
+    assert out.shape == (1, 8, model.config.vocab_size) and out.dtype == jnp.float32
+
+
+def test_layer_parameter_shapes():
+    """Per-layer geometry of the 26B-A4B and E2B presets (HF tensor shapes, einsum layouts)."""
+    moe = abstract_model("gemma4_26b_a4b")
+    full, sliding = moe.layers[5], moe.layers[0]
+    assert full.attn.q_proj.shape == (2816, 16, 512)
+    assert full.attn.k_proj.shape == (2816, 2, 512) and full.attn.v_proj is None
+    assert sliding.attn.v_proj.shape == (2816, 8, 256)
+    assert sliding.moe.gate_proj.shape == (128, 2816, 704)
+    assert sliding.moe.down_proj.shape == (128, 704, 2816)
+    e2b = abstract_model("gemma4_e2b")
+    assert e2b.layers[15].attn.k_proj is None  # KV-shared
+    assert e2b.layers[15].mlp.gate_proj.shape == (1536, 2 * 6144)
+    assert e2b.per_layer_embedding.shape == (262_144, 35 * 256)
+    assert e2b.layers[0].layer_scalar.shape == (1,)
