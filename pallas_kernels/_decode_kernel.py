@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks
+from pallas_kernels import _paged_common as pc
 
-ROWS = 64  # WGMMA M: query rows of one tile (G of them are real).
-MASK_VALUE = -1e30
-LOG2E = math.log2(math.e)
-SMEM_LIMIT = 227 * 1024
+ROWS = pc.ROWS  # query rows of one tile (G of them are real)
+SMEM_LIMIT = pc.SMEM_LIMIT
 HEAD_DIMS = (64, 128, 256, 512)
 PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 MAX_GROUP = ROWS
@@ -174,16 +172,7 @@ def _decode_call(
     num_wgs = 2 if head_dim > 256 else 1
     dv = head_dim // num_wgs
     T = block_kv
-    pages_per_step = max(1, T // page_size)
-    copy_rows = min(T, page_size)
     split = num_splits > 1
-    item_bits = 8 * jnp.dtype(pool.dtype).itemsize
-    swizzle = 128
-    ring_transforms = (
-        plgpu.TilingTransform((8, swizzle * 8 // item_bits)),
-        plgpu.SwizzleTransform(swizzle),
-    )
-    c_transforms = (plgpu.TilingTransform((8, swizzle * 8 // 16)), plgpu.SwizzleTransform(swizzle))
 
     def body(kv_lens_ref, pt_ref, q_ref, pool_ref, scales_ref, *refs):
         if split:
@@ -203,7 +192,7 @@ def _decode_call(
         per_split = (n_total + num_splits - 1) // num_splits
         st = first_step + jnp.minimum(sp * per_split, n_total)
         n = jnp.clip(n_total - sp * per_split, 0, per_split)
-        qk_scale = scale * LOG2E * scales_ref[0]
+        qk_scale = scale * pc.LOG2E * scales_ref[0]
 
         def leader(fn):
             if num_wgs == 1:
@@ -213,25 +202,26 @@ def _decode_call(
 
         def main(q_smem, k_ring, v_ring, p_smem, deq, q_bar, k_bar, v_bar, k_done, v_done):
             p_smem = p_smem.at[wg]
+            k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
-            def issue(role, j_abs, slot):
+            def issue(role, step, slot):
                 ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-                tok0 = j_abs * T
-                for i in range(pages_per_step):
-                    if T >= page_size:
-                        blk = j_abs * pages_per_step + i
-                        rows = slice(None)
-                    else:
-                        blk = tok0 // page_size
-                        rows = pl.ds(tok0 % page_size, copy_rows)
-                    # Never leave [lo_blk, hi_blk): re-read an in-range page instead.
-                    blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
-                    page = jnp.maximum(pt_ref[b, role, blk], 0)
-                    plgpu.copy_gmem_to_smem(
-                        pool_ref.at[page, rows, h, :],
-                        ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
-                        bar.at[slot],
-                    )
+                pc.issue_pages(
+                    pool_ref,
+                    pt_ref,
+                    ring,
+                    bar,
+                    slot=slot,
+                    b=b,
+                    role=role,
+                    kv_head=h,
+                    step=step,
+                    block_kv=T,
+                    page_size=page_size,
+                    lo_blk=lo_blk,
+                    hi_blk=hi_blk,
+                    max_blocks=max_blocks,
+                )
 
             @functools.partial(leader)
             def _prologue():
@@ -244,55 +234,6 @@ def _decode_call(
                         issue(1, st + i, i)
 
             plgpu.barrier_wait(q_bar)
-
-            def dequant(src, dst):
-                """fp8 [64, 128] SMEM chunk -> compute-dtype SMEM chunk."""
-                dst[...] = src[...].astype(cdtype)
-                plgpu.commit_smem()
-
-            def qk(slot):
-                def run(acc_ref):
-                    if not fp8:
-                        plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].transpose((1, 0)))
-                        return acc_ref[...]
-                    k16 = deq.at[wg, 0]
-                    for r in range(T // ROWS):
-                        for c in range(head_dim // 128):
-                            cols = pl.ds(c * 128, 128)
-                            dequant(k_ring.at[slot, pl.ds(r * ROWS, ROWS), cols], k16)
-                            plgpu.wgmma(
-                                acc_ref.at[:, pl.ds(r * ROWS, ROWS)],
-                                q_smem.at[:, cols],
-                                k16.transpose((1, 0)),
-                            )
-                            plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                return pl.run_scoped(run, plgpu.ACC((ROWS, T), jnp.float32))
-
-            def pv(slot):
-                def run(acc_ref):
-                    col0 = wg * dv if num_wgs > 1 else 0
-                    if not fp8:
-                        plgpu.wgmma(acc_ref, p_smem, v_ring.at[slot, :, pl.ds(col0, dv)])
-                        return acc_ref[...]
-                    v16 = deq.at[wg, 1]
-                    for r in range(T // ROWS):
-                        for c in range(dv // 128):
-                            dequant(
-                                v_ring.at[slot, pl.ds(r * ROWS, ROWS), pl.ds(col0 + c * 128, 128)],
-                                v16,
-                            )
-                            plgpu.wgmma(
-                                acc_ref.at[:, pl.ds(c * 128, 128)],
-                                p_smem.at[:, pl.ds(r * ROWS, ROWS)],
-                                v16,
-                            )
-                            plgpu.wgmma_wait(0)
-                    return acc_ref[...]
-
-                # A fresh accumulator per step, added to the rescaled running one.
-                return pl.run_scoped(run, plgpu.ACC((ROWS, dv), jnp.float32))
 
             def refill(role, done, j, j_abs, slot):
                 @pl.when(j + num_stages < n)
@@ -312,46 +253,54 @@ def _decode_call(
                 slot = lax.rem(j, num_stages)
                 j_abs = st + j
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = qk(slot) * qk_scale  # [64, T], log2 units
+                s = pc.qk_block(
+                    q_smem,
+                    k_ring.at[slot],
+                    k_deq,
+                    fp8=fp8,
+                    cdtype=cdtype,
+                    head_dim=head_dim,
+                    block_kv=T,
+                )
                 refill(0, k_done, j, j_abs, slot)  # K of a later step streams in during P V
-                if softcap is not None:
-                    c = softcap * LOG2E
-                    s = c * jnp.tanh(s / c)
+                s = pc.softcap_logits(s * qk_scale, softcap)  # [64, T], log2 units
                 pos = j_abs * T + plgpu.broadcasted_iota(
                     jnp.int32, (ROWS, T), 1, layout=plgpu.Layout.WGMMA
                 )
-                valid = (pos >= lo) & (pos < kv_len)
-                s = jnp.where(valid, s, MASK_VALUE)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                p = jnp.where(valid, p, 0.0)
-                l_i = l_i * alpha + p.sum(axis=1)
+                p, alpha, m_i, l_i = pc.softmax_step(s, (pos >= lo) & (pos < kv_len), m_i, l_i)
                 p_smem[...] = p.astype(cdtype)
                 plgpu.commit_smem()
                 plgpu.barrier_wait(v_bar.at[slot])
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv(slot)
+                pv = pc.pv_block(
+                    p_smem,
+                    v_ring.at[slot],
+                    v_deq,
+                    fp8=fp8,
+                    cdtype=cdtype,
+                    col0=wg * dv,
+                    cols=dv,
+                    block_kv=T,
+                )
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 refill(1, v_done, j, j_abs, slot)
-                return acc, m_new, l_i
+                return acc, m_i, l_i
 
-            acc = plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA)
-            m_i = plgpu.layout_cast(
-                jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            return lax.fori_loop(0, n, step, (acc, m_i, l_i))
+            return lax.fori_loop(0, n, step, pc.init_stats(dv))
 
         item = jnp.dtype(pool.dtype)
         done = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages)
+        pages = pc.pages_per_step(T, page_size)
         scratch = [
-            plgpu.SMEM((ROWS, head_dim), cdtype, transforms=c_transforms),
-            plgpu.SMEM((num_stages, T, head_dim), item, transforms=ring_transforms),
-            plgpu.SMEM((num_stages, T, head_dim), item, transforms=ring_transforms),
-            plgpu.SMEM((num_wgs, ROWS, T), cdtype, transforms=c_transforms),
-            plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=c_transforms) if fp8 else None,
+            plgpu.SMEM((ROWS, head_dim), cdtype, transforms=pc.transforms(cdtype)),
+            plgpu.SMEM((num_stages, T, head_dim), item, transforms=pc.transforms(item)),
+            plgpu.SMEM((num_stages, T, head_dim), item, transforms=pc.transforms(item)),
+            plgpu.SMEM((num_wgs, ROWS, T), cdtype, transforms=pc.transforms(cdtype)),
+            plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))
+            if fp8
+            else None,
             plgpu.Barrier(num_barriers=()),
-            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             done if num_wgs > 1 else None,
             done if num_wgs > 1 else None,
         ]

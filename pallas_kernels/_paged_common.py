@@ -1,0 +1,151 @@
+"""Pieces shared by the Mosaic GPU paged attention kernels (decode and ragged prefill).
+
+`issue_pages` streams one pipeline step of K or V pages into an SMEM ring slot by TMA, the
+page ids read from the page table; `softmax_step` is the float32 online-softmax update in log2
+units; `dequant` turns an fp8 SMEM chunk into float16 for WGMMA.
+
+Axis names: S page_size, T tokens per step (block_kv), D head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # WGMMA M: rows of one warpgroup's query tile.
+MASK_VALUE = -1e30
+LOG2E = math.log2(math.e)
+SMEM_LIMIT = 227 * 1024
+SWIZZLE = 128
+
+
+def transforms(dtype):
+    """Tiling + 128-byte swizzle of a WGMMA operand in SMEM."""
+    bits = 8 * jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def issue_pages(
+    pool_ref,
+    pt_ref,
+    ring,
+    bar,
+    *,
+    slot,
+    b,
+    role,
+    kv_head,
+    step,
+    block_kv,
+    page_size,
+    lo_blk,
+    hi_blk,
+    max_blocks,
+):
+    """TMA-loads tokens [step * T, (step + 1) * T) of role (0 K, 1 V) into ring[slot].
+
+    Blocks outside [lo_blk, hi_blk) are never read: such a part of a step re-reads an in-range
+    page (its logits are masked), so BAD and out-of-window pages stay untouched.
+    """
+    pages_per_step = max(1, block_kv // page_size)
+    copy_rows = min(block_kv, page_size)
+    tok0 = step * block_kv
+    for i in range(pages_per_step):
+        if block_kv >= page_size:
+            blk = step * pages_per_step + i
+            rows = slice(None)
+        else:
+            blk = tok0 // page_size
+            rows = pl.ds(tok0 % page_size, copy_rows)
+        blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
+        page = jnp.maximum(pt_ref[b, role, blk], 0)
+        plgpu.copy_gmem_to_smem(
+            pool_ref.at[page, rows, kv_head, :],
+            ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
+            bar.at[slot],
+        )
+
+
+def pages_per_step(block_kv, page_size):
+    return max(1, block_kv // page_size)
+
+
+def softcap_logits(s, softcap):
+    """s in log2 units; the soft-cap applies to the natural-log logits."""
+    if softcap is None:
+        return s
+    c = softcap * LOG2E
+    return c * jnp.tanh(s / c)
+
+
+def softmax_step(s, valid, m_i, l_i):
+    """Online softmax over one block: s, valid [64, T] (log2 units); m_i, l_i [64].
+
+    Returns (p, alpha, m_new, l_new); masked entries get p = 0 even in fully masked rows.
+    """
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    p = jnp.where(valid, p, 0.0)
+    l_new = l_i * alpha + p.sum(axis=1)
+    return p, alpha, m_new, l_new
+
+
+def init_stats(cols):
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(
+        jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+    )
+    l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    return acc, m_i, l_i
+
+
+def dequant(src, dst, dtype):
+    """fp8 [64, C] SMEM chunk -> `dtype` SMEM chunk, fenced for WGMMA."""
+    dst[...] = src[...].astype(dtype)
+    plgpu.commit_smem()
+
+
+def qk_block(q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv):
+    """S = Q K^T for one step: q_tile [64, D], k_tile [T, D] (SMEM) -> f32 [64, T]."""
+
+    def run(acc_ref):
+        if not fp8:
+            plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
+            return acc_ref[...]
+        for r in range(block_kv // ROWS):
+            for c in range(head_dim // 128):
+                cols = pl.ds(c * 128, 128)
+                dequant(k_tile.at[pl.ds(r * ROWS, ROWS), cols], deq, cdtype)
+                plgpu.wgmma(
+                    acc_ref.at[:, pl.ds(r * ROWS, ROWS)], q_tile.at[:, cols], deq.transpose((1, 0))
+                )
+                plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((ROWS, block_kv), jnp.float32))
+
+
+def pv_block(p_smem, v_tile, deq, *, fp8, cdtype, col0, cols, block_kv):
+    """P V for one step: p_smem [64, T], v_tile [T, D] (SMEM), columns [col0, col0 + cols)."""
+
+    def run(acc_ref):
+        if not fp8:
+            plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(col0, cols)])
+            return acc_ref[...]
+        for r in range(block_kv // ROWS):
+            for c in range(cols // 128):
+                dequant(v_tile.at[pl.ds(r * ROWS, ROWS), pl.ds(col0 + c * 128, 128)], deq, cdtype)
+                plgpu.wgmma(
+                    acc_ref.at[:, pl.ds(c * 128, 128)], p_smem.at[:, pl.ds(r * ROWS, ROWS)], deq
+                )
+                plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    # A fresh accumulator per step (interpret mode has no run_state), added by the caller.
+    return pl.run_scoped(run, plgpu.ACC((ROWS, cols), jnp.float32))
