@@ -218,13 +218,16 @@ def _text_prefix(tensors: _SafetensorsIndex) -> str:
     )
 
 
-def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None) -> Transformer:
+def from_pretrained(
+    path, dtype=jnp.float32, *, param_dtype=None, moe_implementation="ragged"
+) -> Transformer:
     """A `Transformer` loaded from a Hugging Face checkpoint directory.
 
     Args:
       path: directory with config.json and model.safetensors (or
         model.safetensors.index.json and its shards).
       dtype: compute dtype; also the parameter dtype unless `param_dtype` is given.
+      moe_implementation: see `Transformer`.
 
     Raises:
       ValueError: unsupported architecture or config, missing or mis-shaped tensors
@@ -241,7 +244,13 @@ def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None) -> Transformer
     prefix = _text_prefix(tensors)
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     model = nnx.eval_shape(
-        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+        lambda: Transformer(
+            config,
+            rngs=nnx.Rngs(0),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            moe_implementation=moe_implementation,
+        )
     )
     entries = _hf_layout(config, model)
     if not config.tie_word_embeddings:
@@ -296,13 +305,14 @@ def restore_params(
     *,
     dtype=jnp.float32,
     param_dtype=None,
+    moe_implementation="ragged",
 ) -> Transformer:
     """A `Transformer` with the parameters saved by `save_params` at `path`.
 
     Args:
       config_or_model: the config to build the model from (with `dtype` /
-        `param_dtype`), or a model whose structure, dtypes and shardings the
-        restored one takes (the given model is not modified).
+        `param_dtype` / `moe_implementation`), or a model whose structure,
+        dtypes and shardings the restored one takes (the given model is not modified).
 
     Raises:
       ValueError: the checkpoint does not match the model's structure or shapes.
@@ -318,7 +328,11 @@ def restore_params(
         param_dtype = dtype if param_dtype is None else param_dtype
         abstract = nnx.eval_shape(
             lambda: Transformer(
-                config_or_model, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype
+                config_or_model,
+                rngs=nnx.Rngs(0),
+                dtype=dtype,
+                param_dtype=param_dtype,
+                moe_implementation=moe_implementation,
             )
         )
         graphdef, abstract_state = nnx.split(abstract)

@@ -173,19 +173,32 @@ class MLP(nnx.Module):
         )
 
 
+MOE_IMPLEMENTATIONS = ("ragged", "dense")
+
+
 class MoE(nnx.Module):
     """Gemma 4 router + experts.
 
     The router reads the block's residual stream: RMSNorm without scale, times
     `router_scale` and D**-0.5, a linear map to expert scores, float32 softmax,
     top-k, renormalised, times `per_expert_scale`. Experts are gated GELU MLPs.
-    All experts are computed and weighted by the (mostly zero) gates: exact and
-    simple at small sizes.
+
+    implementation: 'ragged' (default) sorts the token copies by expert and runs
+    only the chosen experts with `jax.lax.ragged_dot`; 'dense' runs every
+    expert on every token and weights them by the (mostly zero) gates, the
+    simple reference.
     """
 
-    def __init__(self, config: TransformerConfig, *, rngs, dtype, param_dtype):
+    def __init__(
+        self, config: TransformerConfig, *, rngs, dtype, param_dtype, implementation="ragged"
+    ):
+        if implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"moe_implementation must be one of {MOE_IMPLEMENTATIONS}, got {implementation!r}"
+            )
         c = config
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+        self.implementation = implementation
         self.dtype = dtype
         self.eps = c.rms_norm_eps
         self.top_k = c.num_experts_per_token
@@ -210,6 +223,11 @@ class MoE(nnx.Module):
 
     def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [..., D] through the chosen experts, summed with their weights -> [..., D]."""
+        if self.implementation == "dense":
+            return self._experts_dense(x, weights, experts)
+        return self._experts_ragged(x, weights, experts)
+
+    def _experts_dense(self, x, weights, experts):
         num_experts = self.router_proj.shape[-1]
         gates = jnp.sum(
             jax.nn.one_hot(experts, num_experts, dtype=jnp.float32) * weights[..., None], axis=-2
@@ -223,11 +241,38 @@ class MoE(nnx.Module):
         )  # [..., E, D]
         return jnp.einsum("...ed,...e->...d", y, gates.astype(y.dtype))
 
+    def _experts_ragged(self, x, weights, experts):
+        num_experts = self.router_proj.shape[-1]
+        d = x.shape[-1]
+        tokens = x.reshape(-1, d)  # [M, D]
+        flat_experts = experts.reshape(-1)  # [M*k]; entry j belongs to token j // k
+        order = jnp.argsort(flat_experts, stable=True)
+        token_of = order // self.top_k  # [M*k], token of each expert-sorted copy
+        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
+        xs = tokens[token_of]  # [M*k, D]
+        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(self.dtype), group_sizes)
+        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(self.dtype), group_sizes)  # [M*k, F]
+        y = jax.lax.ragged_dot(
+            gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype), group_sizes
+        )  # [M*k, D]
+        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+        out = jnp.zeros_like(tokens).at[token_of].add(y)  # [M, D]
+        return out.reshape(x.shape)
+
 
 class Block(nnx.Module):
     """One decoder layer: attention, dense MLP (+ MoE), per-layer input, layer scalar."""
 
-    def __init__(self, config: TransformerConfig, layer_index: int, *, rngs, dtype, param_dtype):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        *,
+        rngs,
+        dtype,
+        param_dtype,
+        moe_implementation="ragged",
+    ):
         c = config
         self.dtype = dtype
         self.gemma4 = c.family == "gemma4"
@@ -241,7 +286,7 @@ class Block(nnx.Module):
         self.mlp = MLP(d, c.mlp_width(layer_index), **kw)
         self.post_ffw_norm = RMSNorm(d, **norm)
         if c.has_moe:
-            self.moe = MoE(c, **kw)
+            self.moe = MoE(c, **kw, implementation=moe_implementation)
             self.post_ffw_norm_1 = RMSNorm(d, **norm)
             self.pre_ffw_norm_2 = RMSNorm(d, **norm)
             self.post_ffw_norm_2 = RMSNorm(d, **norm)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from gemma._config import TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
-from gemma._layers import Block, RMSNorm, _normal
+from gemma._layers import MOE_IMPLEMENTATIONS, Block, RMSNorm, _normal
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -57,6 +57,8 @@ class Transformer(nnx.Module):
         scalars and router scales start at their identity values).
       dtype: compute dtype of activations (logits are always float32).
       param_dtype: storage dtype of the parameters.
+      moe_implementation: 'ragged' (only the chosen experts, `jax.lax.ragged_dot`)
+        or 'dense' (every expert, the reference); Gemma 4 MoE configs only.
     """
 
     def __init__(
@@ -66,9 +68,15 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        moe_implementation: str = "ragged",
     ):
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        if moe_implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"moe_implementation must be one of {MOE_IMPLEMENTATIONS}, "
+                f"got {moe_implementation!r}"
+            )
         c = config
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -76,7 +84,9 @@ class Transformer(nnx.Module):
         kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
         d = c.hidden_size
         self.embedding = nnx.Param(_normal(rngs, (c.vocab_size, d), self.param_dtype))
-        self.layers = nnx.List([Block(c, i, **kw) for i in range(c.num_layers)])
+        self.layers = nnx.List(
+            [Block(c, i, **kw, moe_implementation=moe_implementation) for i in range(c.num_layers)]
+        )
         self.final_norm = RMSNorm(
             d, eps=c.rms_norm_eps, plus_one=c.family == "gemma3", param_dtype=self.param_dtype
         )

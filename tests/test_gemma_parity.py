@@ -72,6 +72,16 @@ def test_packed_two_sequences_match_hf():
     assert_logits_close(both[t:], expected[1, : t // 2], "packed second sequence")
 
 
+def test_dense_moe_reference_matches_hf():
+    """The all-experts MoE reference agrees with HF as the default ragged path does."""
+    _, input_ids, expected = load_case("gemma4_moe")
+    model = gemma.from_pretrained(HF_CASES_DIR / "gemma4_moe", moe_implementation="dense")
+    assert model.layers[0].moe.implementation == "dense"
+    assert_logits_close(model(jnp.asarray(input_ids)), expected, "dense MoE")
+    with pytest.raises(ValueError, match="moe_implementation must be one of"):
+        gemma.Transformer(model.config, rngs=nnx.Rngs(0), moe_implementation="sparse")
+
+
 def test_offset_positions_match_hf():
     """Shifting every position leaves the logits unchanged (RoPE and masks are relative)."""
     model, input_ids, expected = load_case("gemma4_keqv")
