@@ -143,8 +143,12 @@ def _plan_reserve(layout: KVLayout, state: KVPoolState, n: jax.Array) -> _Plan:
             begin, end = scratch_range(
                 h, cap, group.window, group.sink_blocks, tpb, layout.max_rewind, xp=jnp
             )
-            # beyond the static per-row capacity the range simply stays in normal pages
-            end = jnp.minimum(end, begin + group.scratch_blocks)
+            # blocks still held past a rolled-back history keep their normal slots (scratch
+            # blocks are BAD in the base table); past the static per-row capacity the range
+            # stays in normal pages too
+            held_end = jnp.max(jnp.where(base != BAD, blk + 1, 0), axis=1)
+            begin = jnp.maximum(begin, held_end)
+            end = jnp.maximum(begin, jnp.minimum(end, begin + group.scratch_blocks))
             begin, end = jnp.where(grow, begin, zero), jnp.where(grow, end, zero)
             n_scratch = scratch_slot_count(end - begin, layout.min_scale(g))
         else:
