@@ -48,7 +48,8 @@ def test_worked_example_through_gather():
         )
     )
     for layer, expected in WORKED_EXAMPLE.items():
-        got = list(zip(tables[layer, 0, 0, 4:9].tolist(), tables[layer, 0, 1, 4:9].tolist(), strict=False))
+        k, v = tables[layer, 0, 0, 4:9].tolist(), tables[layer, 0, 1, 4:9].tolist()
+        got = list(zip(k, v, strict=True))
         assert got == expected
         # normal blocks through the converter: slot * 6 + 2j (+1 for V)
         assert tables[layer, 0, 0, :4].tolist() == [s * 6 + 2 * layer for s in range(4)]
@@ -92,10 +93,10 @@ def test_too_few_slots_raises():
 
 
 def test_stale_range_hand_computed():
-    # W = 64, tpb = 16: history 128 -> keys > 64 needed, blocks 0..3 stale (token 63 is the
-    # last of block 3 and 128 - 63 = 65 > 64 ... block 4 holds token 64, still seen).
+    # W = 64, tpb = 16: the next query (position h) sees keys > h - 64. h = 128: keys >= 65,
+    # block 3 (tokens 48..63) is stale, block 4 (64..79) still holds a visible key.
     assert swajax.stale_range(128, 64, 0, 16) == (0, 4)
-    assert swajax.stale_range(127, 64, 0, 16) == (0, 4)  # last token of block 3 is 63 = 127-64
+    assert swajax.stale_range(127, 64, 0, 16) == (0, 4)  # keys >= 64: block 3 still stale
     assert swajax.stale_range(126, 64, 0, 16) == (0, 3)
     assert swajax.stale_range(10, 64, 0, 16) == (0, 0)
     assert swajax.stale_range(500, None, 0, 16) == (0, 0)
