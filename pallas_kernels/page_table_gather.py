@@ -61,6 +61,8 @@ def page_table_gather_reference(
 ):
     """Pure-jnp page-table gather; see the module docstring. Returns i32[L, B, 2, NB]."""
     batch, max_blocks = base_table.shape
+    if scratch_slots.shape[1] == 0:  # no slots: a non-empty scratch range reads BAD
+        scratch_slots = jnp.full((batch, 1), BAD, jnp.int32)
     num_scratch = scratch_slots.shape[1]
     scale = 2 * num_layers
     blk = jnp.arange(max_blocks, dtype=jnp.int32)[None, :]  # [1, NB]
@@ -87,8 +89,6 @@ def page_table_gather_reference(
         page = jnp.where(slot_ok[None, :, None, :], page, BAD)
         return jnp.where(in_scratch[None, :, None, :], page, converted())
 
-    if num_scratch == 0:
-        return converted()
     any_scratch = jnp.any(scratch_range[:, 0] < scratch_range[:, 1])
     return jax.lax.cond(any_scratch, rotated, converted)
 
