@@ -60,7 +60,8 @@ def issue_pages(
             rows = slice(None)
         else:
             blk = tok0 // page_size
-            rows = pl.ds(tok0 % page_size, copy_rows)
+            # Tiled SMEM needs tile-aligned GMEM offsets; the offset is a multiple of T.
+            rows = pl.ds(pl.multiple_of(tok0 % page_size, block_kv), copy_rows)
         blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
         page = jnp.maximum(pt_ref[b, role, blk], 0)
         plgpu.copy_gmem_to_smem(

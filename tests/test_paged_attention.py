@@ -371,3 +371,98 @@ def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
     )
     want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
     _check(got, want, jnp.bfloat16)
+
+
+PREFILL_CASES = {
+    # name: (q_lens, kv_lens, T, Hq, Hkv, D, page_size, pool dtype, window, softcap)
+    "d128_g2_ragged": (
+        [70, 0, 5, 1, 130],
+        [100, 9, 5, 40, 200],
+        220,
+        4,
+        2,
+        128,
+        16,
+        jnp.bfloat16,
+        None,
+        None,
+    ),
+    "d256_g4_window_softcap": ([40, 66], [90, 66], 110, 8, 2, 256, 64, jnp.bfloat16, 40, 20.0),
+    "d512_g1": ([33, 64], [60, 64], 100, 2, 2, 512, 32, jnp.bfloat16, None, None),
+    "fp8_d128_g8_window": ([20, 50], [120, 50], 72, 8, 1, 128, 32, jnp.float8_e4m3fn, 24, None),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(PREFILL_CASES))
+def test_prefill_kernel(name, mode):
+    q_lens, kv_lens, t, hq, hkv, d, ps, dtype, window, softcap = PREFILL_CASES[name]
+    fp8 = dtype == jnp.float8_e4m3fn
+    case = _testing.make_case(
+        10 + sorted(PREFILL_CASES).index(name),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        pool_dtype=dtype,
+        window=window,
+        num_tokens=t,
+        k_scale=0.3 if fp8 else 1.0,
+        v_scale=0.5 if fp8 else 1.0,
+        row_fill=100.0,
+    )
+    with _mode_ctx(mode):
+        got = ragged_paged_attention(
+            **case.jax_args(),
+            scale=d**-0.5,
+            window=window,
+            softcap=softcap,
+            k_scale=jnp.float32(case.k_scale),
+            v_scale=jnp.float32(case.v_scale),
+            implementation="pallas",
+        )
+    want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap)
+    _check(got, want, jnp.bfloat16)
+    assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "d,hq,hkv,ps,dtype,window",
+    [
+        (128, 16, 8, 32, jnp.bfloat16, None),
+        (256, 8, 4, 64, jnp.bfloat16, 512),
+        (512, 8, 2, 32, jnp.bfloat16, None),
+        (128, 8, 2, 16, jnp.float8_e4m3fn, 300),
+    ],
+)
+def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
+    q_lens = [1000, 1, 0, 777, 64]
+    kv_lens = [1000, 1500, 20, 2000, 64]
+    case = _testing.make_case(
+        d + ps,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        pool_dtype=dtype,
+        window=window,
+        num_tokens=1900,
+        row_fill=100.0,
+        k_scale=0.5,
+        v_scale=0.25,
+    )
+    got = ragged_paged_attention(
+        **case.jax_args(),
+        scale=d**-0.5,
+        window=window,
+        k_scale=jnp.float32(0.5),
+        v_scale=jnp.float32(0.25),
+        implementation="pallas",
+    )
+    want = dense_oracle(case, scale=d**-0.5, window=window)
+    _check(got, want, jnp.bfloat16)
