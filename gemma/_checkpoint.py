@@ -218,6 +218,20 @@ def _text_prefix(tensors: _SafetensorsIndex) -> str:
     )
 
 
+def abstract_model(config, dtype, param_dtype=None, moe_implementation="ragged") -> Transformer:
+    """The model with jax.ShapeDtypeStruct leaves (nothing allocated); param_dtype: dtype."""
+    param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
+    return nnx.eval_shape(
+        lambda: Transformer(
+            config,
+            rngs=nnx.Rngs(0),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            moe_implementation=moe_implementation,
+        )
+    )
+
+
 def from_pretrained(
     path, dtype=jnp.float32, *, param_dtype=None, moe_implementation="ragged"
 ) -> Transformer:
@@ -242,16 +256,8 @@ def from_pretrained(
     config = config_from_hf(hf_config)
     tensors = _SafetensorsIndex(directory)
     prefix = _text_prefix(tensors)
-    param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
-    model = nnx.eval_shape(
-        lambda: Transformer(
-            config,
-            rngs=nnx.Rngs(0),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            moe_implementation=moe_implementation,
-        )
-    )
+    model = abstract_model(config, dtype, param_dtype, moe_implementation)
+    param_dtype = model.param_dtype
     entries = _hf_layout(config, model)
     if not config.tie_word_embeddings:
         lm_head = next((n for n in _LM_HEAD_NAMES if n in tensors), _LM_HEAD_NAMES[0])
@@ -325,16 +331,7 @@ def restore_params(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
     elif isinstance(config_or_model, TransformerConfig):
-        param_dtype = dtype if param_dtype is None else param_dtype
-        abstract = nnx.eval_shape(
-            lambda: Transformer(
-                config_or_model,
-                rngs=nnx.Rngs(0),
-                dtype=dtype,
-                param_dtype=param_dtype,
-                moe_implementation=moe_implementation,
-            )
-        )
+        abstract = abstract_model(config_or_model, dtype, param_dtype, moe_implementation)
         graphdef, abstract_state = nnx.split(abstract)
     else:
         raise TypeError(
