@@ -126,7 +126,7 @@ class Transformer(nnx.Module):
         _check_tokens(self.config, tokens, positions)
         return _dense_forward(self, tokens, positions, segment_ids)
 
-    def forward(self, tokens, positions, *, attention_fn, attention_state):
+    def forward(self, tokens, positions, *, attention_fn, attention_state, logits_indices=None):
         """Logits f32[..., T, V] and the final attention_state, with attention through the hook.
 
         Args:
@@ -136,6 +136,9 @@ class Transformer(nnx.Module):
           attention_fn: `fn(i, q, k, v, state) -> (out, state)`; q [..., T, N, H],
             k/v [..., T, K, H] or None for KV-shared layers, out [..., T, N, H].
           attention_state: any pytree threaded through the hook.
+          logits_indices: optional i32[..., M] token indices (per row) whose logits
+            are wanted: the output is then f32[..., M, V] and the unembedding runs
+            on those tokens only (e.g. the last token of each packed sequence).
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -146,7 +149,9 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             ple = None if per_layer_inputs is None else per_layer_inputs[..., i, :]
             x, attention_state = layer(x, positions, ple, attention_fn, attention_state)
-        x = self.final_norm(x)
+        if logits_indices is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_indices)[..., None], axis=-2)
+        x = self.final_norm(x)  # [..., T or M, D]
         if self.lm_head is None:
             logits = jnp.einsum(
                 "...td,vd->...tv",

@@ -82,6 +82,32 @@ def test_dense_moe_reference_matches_hf():
         gemma.Transformer(model.config, rngs=nnx.Rngs(0), moe_implementation="sparse")
 
 
+def test_logits_indices_select_tokens():
+    """forward(logits_indices=...) returns HF's logits of the chosen tokens, batched and packed."""
+    model, input_ids, expected = load_case("gemma3_linear")
+    tokens = jnp.asarray(input_ids)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    fn = gemma.dense_attention_fn(model.config.layer_specs)
+    rows = np.array([[t - 1, 3], [0, 17]])
+    logits, _ = model.forward(
+        tokens,
+        positions,
+        attention_fn=fn,
+        attention_state=gemma.DenseAttentionState(positions=positions),
+        logits_indices=jnp.asarray(rows),
+    )
+    assert_logits_close(logits, np.take_along_axis(expected, rows[..., None], 1), "batched")
+    logits, _ = model.forward(
+        tokens[1],
+        positions[1],
+        attention_fn=fn,
+        attention_state=gemma.DenseAttentionState(positions=positions[1]),
+        logits_indices=jnp.array([t - 1]),
+    )
+    assert_logits_close(logits, expected[1, -1:], "packed")
+
+
 def test_offset_positions_match_hf():
     """Shifting every position leaves the logits unchanged (RoPE and masks are relative)."""
     model, input_ids, expected = load_case("gemma4_keqv")
