@@ -75,16 +75,15 @@ def init_state(layout: KVLayout, *, k_scales=None, v_scales=None) -> KVPoolState
     num_pools = len(layout.pools)
     b, nb = layout.max_batch, layout.max_blocks
 
-    def scales(x, name):
+    def scales(x):
         if x is None:
             return jnp.ones((num_pools,), jnp.float32)
-        x = jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_pools,))
-        return x
+        return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_pools,))
 
     return KVPoolState(
         pools=tuple(jnp.zeros(p.shape(layout.page_size), jnp.dtype(p.dtype)) for p in layout.pools),
-        k_scales=scales(k_scales, "k_scales"),
-        v_scales=scales(v_scales, "v_scales"),
+        k_scales=scales(k_scales),
+        v_scales=scales(v_scales),
         # reversed so that the first allocations get slots 0, 1, 2, ... (readable tables)
         free_stack=tuple(
             jnp.arange(g.num_slots - 1, -1, -1, dtype=jnp.int32) for g in layout.groups

@@ -38,6 +38,7 @@ __all__ = [
     "free_slots",
     "layer_page_table",
     "reserve",
+    "row_slots",
     "share_prefix",
     "slots_needed",
     "step_metadata",
@@ -362,10 +363,33 @@ def free_slots(layout: KVLayout, state: KVPoolState) -> jax.Array:
     return state.free_count
 
 
-def slots_needed(layout: KVLayout, state: KVPoolState, new_tokens) -> jax.Array:
-    """i32[G] slots `reserve(layout, state, new_tokens)` would take from each group."""
+def slots_needed(
+    layout: KVLayout, state: KVPoolState, new_tokens, *, per_row: bool = False
+) -> jax.Array:
+    """Slots `reserve(layout, state, new_tokens)` would take: i32[G] per group, or with
+    per_row=True i32[G, B] per group and row (to pick which rows fit)."""
     plan = _plan_reserve(layout, state, _rows(layout, new_tokens, "new_tokens"))
+    if per_row:
+        return jnp.stack(
+            [
+                jnp.sum(gp.need, axis=1, dtype=jnp.int32)
+                + jnp.sum(gp.need_scratch, axis=1, dtype=jnp.int32)
+                for gp in plan.groups
+            ]
+        )
     return jnp.stack([gp.total for gp in plan.groups]).astype(jnp.int32)
+
+
+def row_slots(layout: KVLayout, state: KVPoolState) -> jax.Array:
+    """i32[G, B] slots each row references now (shared prefix blocks count in every row)."""
+    del layout
+    return jnp.stack(
+        [
+            jnp.sum(base != BAD, axis=1, dtype=jnp.int32)
+            + jnp.sum(scratch != BAD, axis=1, dtype=jnp.int32)
+            for base, scratch in zip(state.base_tables, state.scratch_slots, strict=True)
+        ]
+    )
 
 
 class StepMetadata(NamedTuple):

@@ -38,8 +38,11 @@ def test_prefill_step_by_hand():
     # ceil(5 * 2 / 6) = 2 scratch slots, normal blocks 5..7; row 1: 2 normal blocks.
     # full: 8 + 2 blocks.
     assert np.asarray(swajax.slots_needed(layout, state, n)).tolist() == [3 + 2 + 2, 10]
+    per_row = swajax.slots_needed(layout, state, n, per_row=True)
+    assert np.asarray(per_row).tolist() == [[5, 2], [8, 2]]
     ok, state = swajax.reserve(layout, state, n)
     assert ok
+    assert np.asarray(swajax.row_slots(layout, state)).tolist() == [[5, 2], [8, 2]]
     base_s = np.asarray(state.base_tables[0])
     assert base_s[0, :9].tolist() == [BAD] * 5 + [0, 1, 2, BAD]
     assert base_s[1, :3].tolist() == [3, 4, BAD]
