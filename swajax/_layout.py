@@ -26,6 +26,12 @@ Engine interface (all in `swajax`):
   ... forward writes K/V into state.pools[p] via tables ...
   state = advance(layout, state)                       # history := cap, out-of-window release
   state = free_rows(layout, state, rows)               # bool[batch]
+Admission and sharing: free_slots(layout, state) -> i32[G]; slots_needed(layout, state, n) ->
+i32[G] (per_row=True: i32[G, B]); row_slots(layout, state) -> i32[G, B]; request_slots(layout,
+input_len, chunk=, max_new_tokens=) -> peak slots per group of one request (static);
+share_prefix(layout, state, src, dst, num_tokens) -> (ok, state). To keep a cached prefix
+usable with scratch on, end a step exactly at the reusable boundary k (the window ending at k
+is then not stale, so never scratch) and share right after that step's advance.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def gather_inputs(draw):
     return base, kv_lens, rng_arr, slots, num_layers, page_size
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(args=gather_inputs())
 def test_reference_matches_loop_oracle(args):
     base, kv_lens, rng_arr, slots, num_layers, page_size = args
