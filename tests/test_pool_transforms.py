@@ -219,3 +219,18 @@ def test_rollback_keeps_rewind_tokens():
     assert base == [BAD] * 4 + [0, 1, 2, 3, BAD]
     ok, state = swajax.reserve(layout, state, np.array([8, 0], np.int32))
     assert ok and np.asarray(state.base_tables[0])[0, :9].tolist() == base  # reused, no new slot
+
+
+def test_prefix_shared_with_scratch_at_a_step_boundary():
+    layout = small_layout(max_batch=2)
+    state = swajax.init_state(layout)
+    ok, state = swajax.reserve(layout, state, np.array([128, 0], np.int32))
+    assert np.asarray(state.scratch_range[0])[0].tolist() == [0, 5]  # blocks 0..4 scratch
+    state = swajax.advance(layout, state)
+    # the window ending at 128 (blocks 5..7) is in normal pages: shareable
+    ok, shared = swajax.share_prefix(layout, state, 0, 1, 128)
+    assert ok and int(shared.history[1]) == 128
+    assert np.asarray(shared.base_tables[0])[1, :9].tolist() == [BAD] * 5 + [0, 1, 2, BAD]
+    # a boundary inside a scratch range is not: its window was scratch (BAD)
+    ok, same = swajax.share_prefix(layout, state, 0, 1, 96)
+    assert not ok and leaves_equal(same, state)
