@@ -83,8 +83,8 @@ def _step(
         positions,
         attention_fn=attention_fn,
         attention_state=state.pools,
-    )
-    logits = logits[last]  # [B, V]
+        logits_indices=last,
+    )  # [B, V]: only each row's last new token is unembedded
     next_tokens = sample(logits, key, **sampling)
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     return state, next_tokens, ok, logits, free_after_reserve
@@ -113,6 +113,7 @@ class RunStats:
     decode_tokens: int = 0
     seconds: float = 0.0
     peak_slots: tuple[int, ...] = ()
+    slot_steps: tuple[int, ...] = ()  # per group: sum over steps of the slots held in the step
     num_slots: tuple[int, ...] = ()
     max_concurrent: int = 0
     step_logits: list | None = None
@@ -245,7 +246,8 @@ class Engine:
         capacity = np.asarray(self.num_slots)
         finished = np.zeros(num_rows, bool)
         outputs: list[list[int]] = [[] for _ in prompts]
-        stats = RunStats(num_slots=self.num_slots, peak_slots=(0,) * len(capacity))
+        zeros = (0,) * len(capacity)
+        stats = RunStats(num_slots=self.num_slots, peak_slots=zeros, slot_steps=zeros)
         stats.step_logits = [] if collect_logits else None
         bar = None
         if progress:
@@ -301,6 +303,7 @@ class Engine:
                 )
             used = capacity - np.asarray(free)
             stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, used))
+            stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, used))
             stats.steps += 1
             finished[:] = False
             for b in active:
