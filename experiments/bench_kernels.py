@@ -343,14 +343,42 @@ def run_prefill(records, args, quick):
             pt = jnp.stack([perm, perm + 1])[None]  # [1, 2, NB]
             q_starts = jnp.array([0, tokens], jnp.int32)
             lens = jnp.array([tokens], jnp.int32)
-            fn = jax.jit(
-                functools.partial(ragged_paged_attention, scale=d**-0.5, implementation=impl)
-            )
-            t = bench(fn, [(q4[0], pool, pt, q_starts, lens)], iters=2 if quick else 10)
+            tunings = [{}]
+            if args.sweep and not quick:
+                tunings += [dict(block_kv=bk, num_stages=st) for bk in (64, 128) for st in (1, 2)]
+            best = None
+            for tuning in tunings:
+                try:
+                    fn = jax.jit(
+                        functools.partial(
+                            ragged_paged_attention, scale=d**-0.5, implementation=impl, **tuning
+                        )
+                    )
+                    t = bench(fn, [(q4[0], pool, pt, q_starts, lens)], iters=2 if quick else 10)
+                except Exception as e:  # noqa: BLE001
+                    records.append(
+                        dict(kernel="prefill_try", shape=shape, tuning=tuning, error=repr(e)[:300])
+                    )
+                    continue
+                records.append(
+                    dict(
+                        kernel="prefill_try",
+                        shape=shape,
+                        tuning=tuning,
+                        time_ms=t,
+                        tflops=flops / (t * 1e-3) / 1e12,
+                    )
+                )
+                if best is None or t < best[0]:
+                    best = (t, tuning)
+            if best is None:
+                raise RuntimeError("no prefill configuration ran")
+            t = best[0]
             rec = dict(
                 kernel="prefill",
                 shape=shape,
                 implementation=impl,
+                tuning=best[1],
                 time_ms=t,
                 tflops=flops / (t * 1e-3) / 1e12,
             )
@@ -379,25 +407,27 @@ def run_kv_write(records, args, quick):
             kk = jax.random.normal(jax.random.key(1), (batch * new, hkv, d), jnp.bfloat16)
             q_starts = jnp.arange(batch + 1, dtype=jnp.int32) * new
             lens = jnp.full((batch,), context, jnp.int32)
-            fn = jax.jit(functools.partial(kv_write, implementation=impl), donate_argnums=0)
-            state = [pool]
-
-            def step(k, v, q_starts, lens, fn=fn, state=state, pt=pt):
-                state[0] = fn(state[0], pt, k, v, q_starts, lens)
-                return state[0]
-
-            t = bench(step, [(kk, kk, q_starts, lens)], iters=3 if quick else 20)
             nbytes = 2 * 2 * kk.nbytes  # read new K/V, write them into pages
-            records.append(
-                dict(
-                    kernel="kv_write",
-                    shape=shape,
-                    implementation=impl,
-                    time_ms=t,
-                    bytes=nbytes,
-                    tbs=nbytes / (t * 1e-3) / 1e12,
+            for im in [impl] if quick else [impl, "reference"]:
+                fn = jax.jit(functools.partial(kv_write, implementation=im), donate_argnums=0)
+                state = [pool]
+
+                def step(k, v, q_starts, lens, fn=fn, state=state, pt=pt):
+                    state[0] = fn(state[0], pt, k, v, q_starts, lens)
+                    return state[0]
+
+                t = bench(step, [(kk, kk, q_starts, lens)], iters=3 if quick else 20)
+                pool = state[0]
+                records.append(
+                    dict(
+                        kernel="kv_write" if im == impl else "kv_write_xla_scatter",
+                        shape=shape,
+                        implementation=im,
+                        time_ms=t,
+                        bytes=nbytes,
+                        tbs=nbytes / (t * 1e-3) / 1e12,
+                    )
                 )
-            )
         except Exception as e:  # noqa: BLE001
             records.append(dict(kernel="kv_write", shape=shape, error=repr(e)[:400]))
 

@@ -132,19 +132,34 @@ def qk_block(q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv):
     return pl.run_scoped(run, plgpu.ACC((ROWS, block_kv), jnp.float32))
 
 
-def pv_block(p_smem, v_tile, deq, *, fp8, cdtype, col0, cols, block_kv):
-    """P V for one step: p_smem [64, T], v_tile [T, D] (SMEM), columns [col0, col0 + cols)."""
+def stage_p(p, p_smem, cdtype):
+    """P as the WGMMA A operand: registers when compiled, SMEM (p_smem) when interpreting,
+    since the interpreter's WGMMA reads A from SMEM only."""
+    p = p.astype(cdtype)
+    if p_smem is None:
+        return p
+    p_smem[...] = p
+    plgpu.commit_smem()
+    return p_smem
+
+
+def pv_block(p, v_tile, deq, *, fp8, cdtype, col0, cols, block_kv, p_in_smem):
+    """P V for one step: p [64, T] (registers or SMEM), v_tile [T, D] (SMEM), O columns
+    [col0, col0 + cols)."""
+
+    def p_cols(r):
+        if p_in_smem:
+            return p.at[:, pl.ds(r * ROWS, ROWS)]
+        return p[:, r * ROWS : (r + 1) * ROWS]
 
     def run(acc_ref):
         if not fp8:
-            plgpu.wgmma(acc_ref, p_smem, v_tile.at[:, pl.ds(col0, cols)])
+            plgpu.wgmma(acc_ref, p, v_tile.at[:, pl.ds(col0, cols)])
             return acc_ref[...]
         for r in range(block_kv // ROWS):
             for c in range(cols // 128):
                 dequant(v_tile.at[pl.ds(r * ROWS, ROWS), pl.ds(col0 + c * 128, 128)], deq, cdtype)
-                plgpu.wgmma(
-                    acc_ref.at[:, pl.ds(c * 128, 128)], p_smem.at[:, pl.ds(r * ROWS, ROWS)], deq
-                )
+                plgpu.wgmma(acc_ref.at[:, pl.ds(c * 128, 128)], p_cols(r), deq)
                 plgpu.wgmma_wait(0)
         return acc_ref[...]
 

@@ -57,16 +57,16 @@ def _layout(head_dim):
     return (2, 1) if head_dim <= 256 else (1, 2)
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype):
+def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
     row_wgs, _ = _layout(head_dim)
     ring = num_stages * 2 * block_kv * head_dim * jnp.dtype(pool_dtype).itemsize
     q = row_wgs * ROWS * (head_dim + 64) * cdtype.itemsize  # WGMMA tile + plain staging
-    p = NUM_WGS * ROWS * block_kv * cdtype.itemsize
+    p = NUM_WGS * ROWS * block_kv * cdtype.itemsize if p_in_smem else 0
     deq = NUM_WGS * 2 * ROWS * 128 * 2 if _checks.is_fp8(pool_dtype) else 0
-    return ring + q + p + deq + 4096
+    return ring + q + p + deq + 2048
 
 
-def _pick(head_dim, page_size, pool_dtype, tuning):
+def _pick(head_dim, page_size, pool_dtype, tuning, p_in_smem=False):
     cdtype = None
     if _checks.is_fp8(pool_dtype):
         cdtype = jnp.dtype(jnp.float16)
@@ -87,10 +87,11 @@ def _pick(head_dim, page_size, pool_dtype, tuning):
     if num_stages is None:
         num_stages = 4
         while num_stages > 1 and (
-            _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype) > pc.SMEM_LIMIT
+            _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem)
+            > pc.SMEM_LIMIT
         ):
             num_stages -= 1
-    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype)
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(
             f"prefill kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
@@ -148,8 +149,9 @@ def _prefill_jit(
     batch, _, max_blocks = page_table.shape
     group = num_q_heads // num_kv_heads
     fp8 = _checks.is_fp8(pool.dtype)
+    p_in_smem = interpret is not None
     cdtype, BK, num_stages = _pick(
-        head_dim, page_size, pool.dtype, PrefillTuning(block_kv, num_stages)
+        head_dim, page_size, pool.dtype, PrefillTuning(block_kv, num_stages), p_in_smem
     )
     row_wgs, col_wgs = _layout(head_dim)
     rows_per_block = ROWS * row_wgs
@@ -197,7 +199,7 @@ def _prefill_jit(
             q_raw, q_smem, k_ring, v_ring, p_smem, deq, q_bar, q_ready, k_bar, v_bar, k_done, v_done
         ):
             q_tile = q_smem.at[r_wg]
-            p_tile = p_smem.at[wg]
+            p_tile = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
             def issue(role, step, slot):
@@ -288,11 +290,10 @@ def _prefill_jit(
                 if window is not None:
                     valid &= qpos - kpos < window
                 p, alpha, m_i, l_i = pc.softmax_step(s, valid, m_i, l_i)
-                p_tile[...] = p.astype(cdtype)
-                plgpu.commit_smem()
+                p_op = pc.stage_p(p, p_tile, cdtype)
                 plgpu.barrier_wait(v_bar.at[slot])
                 pv = pc.pv_block(
-                    p_tile,
+                    p_op,
                     v_ring.at[slot],
                     v_deq,
                     fp8=fp8,
@@ -300,6 +301,7 @@ def _prefill_jit(
                     col0=col0,
                     cols=dv,
                     block_kv=BK,
+                    p_in_smem=p_in_smem,
                 )
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 refill(1, v_done, j, j_abs, slot)
@@ -316,7 +318,9 @@ def _prefill_jit(
             plgpu.SMEM((row_wgs, ROWS, head_dim), cdtype, transforms=pc.transforms(cdtype)),
             plgpu.SMEM((num_stages, BK, head_dim), item, transforms=pc.transforms(item)),
             plgpu.SMEM((num_stages, BK, head_dim), item, transforms=pc.transforms(item)),
-            plgpu.SMEM((NUM_WGS, ROWS, BK), cdtype, transforms=pc.transforms(cdtype)),
+            plgpu.SMEM((NUM_WGS, ROWS, BK), cdtype, transforms=pc.transforms(cdtype))
+            if p_in_smem
+            else None,
             plgpu.SMEM((NUM_WGS, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))
             if fp8
             else None,
