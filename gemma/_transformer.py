@@ -26,22 +26,27 @@ from gemma._layers import MOE_IMPLEMENTATIONS, Block, RMSNorm, _normal
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
-    tokens_dtype = getattr(tokens, "dtype", None)
-    if tokens_dtype is None or not jnp.issubdtype(tokens_dtype, jnp.integer):
-        raise TypeError(f"tokens must be an integer array, got dtype {tokens_dtype}")
+    """TypeError / ValueError for non-integer, mis-shaped or out-of-vocabulary token ids.
+
+    The id range is checked only when the ids are concrete (not under tracing),
+    before any conversion that could wrap large ids.
+    """
+    if not isinstance(tokens, jax.core.Tracer):
+        tokens = np.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array, got dtype {tokens.dtype}")
     if tokens.ndim not in (1, 2):
         raise ValueError(
             f"tokens must be i32[B, T] or packed i32[T], got shape {tuple(tokens.shape)}"
         )
-    if positions is not None and tuple(positions.shape) != tuple(tokens.shape):
+    if positions is not None and tuple(np.shape(positions)) != tuple(tokens.shape):
         raise ValueError(
-            f"positions shape {tuple(positions.shape)} must equal tokens shape "
+            f"positions shape {tuple(np.shape(positions))} must equal tokens shape "
             f"{tuple(tokens.shape)}"
         )
     if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
         return
-    values = np.asarray(tokens)
-    low, high = int(values.min()), int(values.max())
+    low, high = int(tokens.min()), int(tokens.max())
     limit = config.input_vocab_size
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
@@ -117,13 +122,13 @@ class Transformer(nnx.Module):
         positions default to 0..T-1 per row; segment_ids (same shape, optional)
         separate sequences packed in one row.
         """
-        tokens = jnp.asarray(tokens)
+        _check_tokens(self.config, tokens, positions)
+        tokens = jnp.asarray(tokens, jnp.int32)
         if positions is None:
             positions = jnp.broadcast_to(
                 jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape
             )
-        positions = jnp.asarray(positions)
-        _check_tokens(self.config, tokens, positions)
+        positions = jnp.asarray(positions, jnp.int32)
         return _dense_forward(self, tokens, positions, segment_ids)
 
     def forward(self, tokens, positions, *, attention_fn, attention_state, logits_indices=None):

@@ -162,6 +162,7 @@ def test_random_init_is_seeded():
         ([3, 70], ValueError, "token id 70"),
         ([[0.5, 1.0]], TypeError, "integer"),
         ([[[1]]], ValueError, r"i32\[B, T\]"),
+        (np.array([[1, 2**40]], np.int64), ValueError, f"token id {2**40} "),
     ],
 )
 def test_bad_tokens_raise(tokens, error, match):
@@ -170,7 +171,7 @@ def test_bad_tokens_raise(tokens, error, match):
         rngs=nnx.Rngs(0),
     )
     with pytest.raises(error, match=match):
-        model(jnp.asarray(tokens))
+        model(tokens if isinstance(tokens, np.ndarray) else jnp.asarray(tokens))
 
 
 def test_token_range_includes_per_layer_vocab_and_positions_shape():
