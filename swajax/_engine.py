@@ -186,7 +186,7 @@ class Engine:
         self._step = jax.jit(
             traced_step,
             static_argnames=("graphdef", "layout", "decode", "implementation"),
-            donate_argnames=("state",),
+            donate_argnums=(1,),
         )
 
     @property
@@ -219,6 +219,23 @@ class Engine:
                     f"but the pool has {have}; raise max_gpu_total_bytes / "
                     "free_gpu_memory_fraction or shorten the request"
                 )
+
+    def lower_step(self, num_tokens: int, *, decode: bool):
+        """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
+        b = self.layout.max_batch
+        return self._step.lower(
+            self.params,
+            self.state,
+            jnp.zeros((num_tokens,), jnp.int32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), bool),
+            jax.random.key(0),
+            SamplingParams().as_arrays(),
+            graphdef=self.graphdef,
+            layout=self.layout,
+            decode=decode,
+            implementation=self.implementation,
+        )
 
     def run(
         self,

@@ -219,3 +219,57 @@ def test_pool_too_small_for_one_sequence_raises():
             10,
             kv_cache_config=kv_config(True, max_gpu_total_bytes=40_000),
         )
+
+
+def test_compiled_step_updates_pool_roots_in_place():
+    """The step donates the pool state: its HLO aliases every pool root and copies none."""
+    model = make_model("gemma4")
+    engine = swajax.Engine(
+        model,
+        kv_config(True, max_gpu_total_bytes=32 << 20),
+        max_context=2048,
+        max_batch=2,
+        prefill_chunk_size=32,
+        implementation="reference",
+    )
+    pools = engine.state.pools
+    dtype = {jnp.dtype(jnp.float32): "f32"}
+    root_shapes = [f"{dtype[p.dtype]}[{','.join(map(str, p.shape))}]" for p in pools]
+    for decode, num_tokens in ((False, 64), (True, 8)):
+        hlo = engine.lower_step(num_tokens, decode=decode).compile().as_text()
+        copies = [
+            line
+            for line in hlo.splitlines()
+            if "copy(" in line and any(f"= {s}" in line for s in root_shapes)
+        ]
+        assert not copies, copies
+        assert "input_output_alias" in hlo
+    before = [p.unsafe_buffer_pointer() for p in pools]
+    engine.run([[1, 2, 3, 4, 5]], 2)
+    assert [p.unsafe_buffer_pointer() for p in engine.state.pools] == before
+
+
+def test_fp8_kv_within_tolerance_of_float32():
+    """fp8 (e4m3) KV: the same greedy run's logits stay within 5% (relative L2) of float32 KV."""
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 12], seed=11)
+
+    def logits(dtype):
+        cfg = swajax.KVCacheConfig(
+            page_size=16, dtype=dtype, enable_swa_scratch_reuse=True, max_gpu_total_bytes=16 << 20
+        )
+        engine = swajax.Engine(
+            model,
+            cfg,
+            max_context=64,
+            max_batch=2,
+            prefill_chunk_size=16,
+            implementation="reference",
+            min_prefill_bucket=32,
+        )
+        _, stats = engine.run(prompts, 1, collect_logits=True)
+        return np.stack([x for *_, x in sorted(stats.step_logits, key=lambda r: r[:2])])
+
+    ref, fp8 = logits(jnp.float32), logits(jnp.float8_e4m3fn)
+    rel = np.linalg.norm(fp8 - ref) / np.linalg.norm(ref)
+    assert 0 < rel < 0.05, rel
