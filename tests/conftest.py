@@ -1,4 +1,4 @@
-"""Shared pytest set-up: float32 matmuls at full precision on CPU, `gpu` tests skipped without a GPU."""
+"""Shared pytest set-up: full-precision float32 matmuls, `gpu` tests skipped without a GPU."""
 
 import jax
 import pytest

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p against hand-computed distributions; no recompiles."""
+"""Sampling: greedy, temperature, top-k, top-p vs hand-computed distributions; no recompiles."""
 
 import jax
 import jax.numpy as jnp
