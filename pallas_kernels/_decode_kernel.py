@@ -181,7 +181,7 @@ def _decode_call(
     dv = head_dim // num_wgs
     T = block_kv
     split = num_splits > 1
-    p_in_smem = interpret is not None
+    p_in_smem = pc.p_in_smem(interpret, head_dim)
 
     def body(kv_lens_ref, pt_ref, q_ref, pool_ref, scales_ref, *refs):
         if split:
@@ -430,7 +430,7 @@ def _decode_jit(
         num_kv_heads,
         page_table.shape[2],
         DecodeTuning(block_kv, num_stages, num_splits),
-        interpret is not None,
+        pc.p_in_smem(interpret, head_dim),
     )
     q_tiles = q.reshape(batch, num_kv_heads, group, head_dim).astype(cdtype)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [B, Hkv, 64, D]
