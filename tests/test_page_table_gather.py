@@ -294,3 +294,49 @@ def test_kernel_lowers_for_cuda_in_place():
     main = text[text.index("func.func public @main") :].split("\n", 1)[0]
     assert main.count("tf.aliasing_output") == 1, main
     assert "mosaic_gpu" in lower(2, 256, 1, 300, False, tile_blocks=128)  # slot loop
+
+
+def test_kernel_validation():
+    base = jnp.zeros((2, 4), jnp.int32)
+    lens = jnp.zeros((2,), jnp.int32)
+    rng_arr = jnp.full((2, 2), BAD, jnp.int32)
+    slots = jnp.full((2, 1), BAD, jnp.int32)
+    kw = dict(num_layers=2, page_size=16, implementation="pallas")
+    with pytest.raises(ValueError, match=r"out must have shape \[num_layers, batch, 2, NB\]"):
+        page_table_gather(base, lens, rng_arr, slots, out=jnp.zeros((1, 2, 2, 4), jnp.int32), **kw)
+    with pytest.raises(TypeError, match="out must be int32"):
+        page_table_gather(base, lens, rng_arr, slots, out=jnp.zeros((2, 2, 2, 4)), **kw)
+    with pytest.raises(ValueError, match="tile_blocks must be a multiple of 128"):
+        page_table_gather(base, lens, rng_arr, slots, tile_blocks=100, **kw)
+
+
+@pytest.mark.gpu
+def test_kernel_gpu_gemma3_27b_sliding_pool():
+    """52 layers, 64 rows of 8K-32K tokens (window 1024 and chunk 2048 of scratch on 8 rows),
+    NB = 1024: fresh and in place over the previous step's table, against the reference
+    (itself checked against the loop oracle above)."""
+    rng = np.random.default_rng(0)
+    batch, max_blocks, num_layers, page_size, num_scratch = 64, 1024, 52, 32, 79
+    kv_lens = rng.integers(8192, 32769, batch).astype(np.int32)
+    blocks = np.arange(max_blocks)[None, :]
+    extent = -(-kv_lens[:, None] // page_size)
+    start = np.maximum(kv_lens[:, None] - 1024, 0) // page_size - 1  # window + one block
+    base = rng.permutation(batch * max_blocks).astype(np.int32).reshape(batch, max_blocks)
+    base = np.where((blocks >= start) & (blocks < extent), base, BAD).astype(np.int32)
+    rng_arr = np.full((batch, 2), BAD, np.int32)
+    rows = rng.choice(batch, 8, replace=False)
+    rng_arr[rows, 0] = extent[rows, 0] - 64
+    rng_arr[rows, 1] = extent[rows, 0] - 33
+    slots = rng.integers(10**5, 2 * 10**5, (batch, num_scratch)).astype(np.int32)
+    args = [jnp.asarray(a) for a in (base, kv_lens, rng_arr, slots)]
+    kw = dict(num_layers=num_layers, page_size=page_size)
+    want = np.asarray(jax.jit(page_table_gather_reference, static_argnames=tuple(kw))(*args, **kw))
+    got = page_table_gather(*args, **kw, implementation="pallas")
+    np.testing.assert_array_equal(np.asarray(got), want)
+    prev_lens = jnp.asarray(kv_lens - 1)
+    prev = page_table_gather(args[0], prev_lens, args[2], args[3], **kw, implementation="pallas")
+    f = jax.jit(
+        lambda *a, out: page_table_gather(*a, out=out, **kw, implementation="pallas"),
+        donate_argnames="out",
+    )
+    np.testing.assert_array_equal(np.asarray(f(*args, out=prev)), want)
