@@ -6,7 +6,8 @@ head is read once for the whole group. K/V pages stream through a ring of `num_s
 slots by TMA; the source page of each copy comes from the page table (scalar loads from GMEM).
 A step covers `block_kv` tokens: several whole pages (block_kv >= page_size) or a slice of one
 (block_kv < page_size). S = Q K^T and O += P V run on WGMMA with float32 accumulation and an
-online (exp2) softmax in float32.
+online (exp2) softmax in float32; P enters the second WGMMA from registers (head_dim < 256,
+compiled) or through SMEM (`_paged_common.p_in_smem`).
 
 Only blocks [lo // S, cdiv(kv_len, S)) are read, lo = max(0, kv_len - window): a step whose
 aligned range reaches outside it re-reads an in-range page instead (its logits are masked), so

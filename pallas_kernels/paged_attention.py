@@ -11,6 +11,12 @@ L = NB * S keys per sequence, Tq query rows per sequence.
 The reference never lets a BAD page, a page past kv_lens or a token outside the window of every
 query influence the result: pages are gathered with a clamped index and both the logits and the
 V values are selected with `jnp.where` (0 * NaN would be NaN).
+
+The Pallas kernels never read a BAD page, a block past kv_lens or a block wholly outside the
+window; they read whole pages, so the rows of a read page that no query sees (past kv_lens,
+before the window) must hold finite values, as rows written by `kv_write` or a zero-initialised
+pool do. "auto" uses the reference where the kernel does not support the configuration
+(float32 pools, other head_dims or page sizes).
 """
 
 from __future__ import annotations
