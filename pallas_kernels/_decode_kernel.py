@@ -236,27 +236,23 @@ def _decode_call(
             @functools.partial(leader)
             def _prologue():
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-                for i in range(num_stages):
-
-                    @pl.when(i < n)
-                    def _(i=i):
-                        issue(0, st + i, i)
-                        issue(1, st + i, i)
+                pc.ring_prologue(issue, st, n, num_stages)
 
             plgpu.barrier_wait(q_bar)
 
             def refill(role, done, j, j_abs, slot):
-                @pl.when(j + num_stages < n)
-                def _():
-                    if num_wgs > 1:
-                        # Every warpgroup is done with the slot before the leader reloads it.
-                        plgpu.barrier_arrive(done.at[slot])
-
-                    @functools.partial(leader)
-                    def _():
-                        if num_wgs > 1:
-                            plgpu.barrier_wait(done.at[slot])
-                        issue(role, j_abs + num_stages, slot)
+                pc.ring_refill(
+                    issue,
+                    done,
+                    role,
+                    j=j,
+                    step=j_abs,
+                    slot=slot,
+                    n=n,
+                    num_stages=num_stages,
+                    leader=leader,
+                    multi_wg=num_wgs > 1,
+                )
 
             def step(j, carry):
                 acc, m_i, l_i = carry

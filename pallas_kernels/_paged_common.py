@@ -71,6 +71,36 @@ def issue_pages(
         )
 
 
+def ring_prologue(issue, first, n, num_stages):
+    """Fills the ring: K and V of steps first .. first + num_stages - 1 (those < n)."""
+    for i in range(num_stages):
+
+        @pl.when(i < n)
+        def _(i=i):
+            issue(0, first + i, i)
+            issue(1, first + i, i)
+
+
+def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, multi_wg):
+    """After local step j (absolute `step`) used `slot` for `role`, loads step + num_stages.
+
+    With several warpgroups each arrives on done[slot] and the leader waits for all of them
+    before it reuses the slot; one warpgroup's own program order suffices otherwise.
+    """
+
+    @pl.when(j + num_stages < n)
+    def _():
+        if multi_wg:
+            plgpu.barrier_arrive(done.at[slot])
+
+        def reload():
+            if multi_wg:
+                plgpu.barrier_wait(done.at[slot])
+            issue(role, step + num_stages, slot)
+
+        leader(reload)
+
+
 def pages_per_step(block_kv, page_size):
     return max(1, block_kv // page_size)
 

@@ -232,19 +232,12 @@ def _prefill_jit(
                     )
                 plgpu.commit_smem()
 
+            # Pages start streaming before Q is re-laid out.
+            leader(lambda: pc.ring_prologue(issue, first, n, num_stages))
             if row_wgs > 1:
                 load_q()
             else:
                 leader(load_q)
-
-            @functools.partial(leader)
-            def _prologue():
-                for i in range(num_stages):
-
-                    @pl.when(i < n)
-                    def _(i=i):
-                        issue(0, first + i, i)
-                        issue(1, first + i, i)
 
             if row_wgs == 1:
                 plgpu.barrier_arrive(q_ready)
@@ -255,14 +248,18 @@ def _prefill_jit(
             row_ok = (rr >= shift) & (rr < shift + nv)
 
             def refill(role, done, j, j_abs, slot):
-                @pl.when(j + num_stages < n)
-                def _():
-                    plgpu.barrier_arrive(done.at[slot])
-
-                    @functools.partial(leader)
-                    def _():
-                        plgpu.barrier_wait(done.at[slot])
-                        issue(role, j_abs + num_stages, slot)
+                pc.ring_refill(
+                    issue,
+                    done,
+                    role,
+                    j=j,
+                    step=j_abs,
+                    slot=slot,
+                    n=n,
+                    num_stages=num_stages,
+                    leader=leader,
+                    multi_wg=True,
+                )
 
             def step(j, carry):
                 acc, m_i, l_i = carry
