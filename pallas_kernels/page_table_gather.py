@@ -364,7 +364,8 @@ def page_table_gather(
       base_table, kv_lens, scratch_range, scratch_slots, num_layers, page_size: see the module
         docstring.
       implementation: "reference" (pure jnp), "pallas" (Mosaic GPU kernel; GPU interpret mode
-        off a Hopper GPU) or "auto" (pallas on a Hopper GPU, the reference elsewhere).
+        off a Hopper GPU) or "auto" (pallas on a Hopper GPU when NB is a multiple of 128, the
+        reference elsewhere).
       out: optional i32[num_layers, B, 2, NB], the table this call updates: a table returned
         by an earlier `page_table_gather` of the same pool (any inputs), or all BAD. It is
         DONATED (do not use it afterwards; jit with it donated to update it in place): the
@@ -395,7 +396,10 @@ def page_table_gather(
     _check_int32(scratch_slots, "scratch_slots", tuple(scratch_slots.shape), "[batch, num_scratch]")
     if out is not None:
         _check_int32(out, "out", (num_layers, batch, 2, max_blocks), "[num_layers, batch, 2, NB]")
-    use_pallas = implementation == "pallas" or (implementation == "auto" and _checks.on_hopper())
+    # "auto" keeps NB-padded tables (a copy in and out of the kernel) on the reference.
+    use_pallas = implementation == "pallas" or (
+        implementation == "auto" and _checks.on_hopper() and max_blocks % LANES == 0
+    )
     if use_pallas:
         return page_table_gather_pallas(
             base_table,
