@@ -411,6 +411,7 @@ def model_decode_records(
     new_tokens = jnp.ones((batch,), jnp.int32)
     finished = jnp.zeros((batch,), bool)
     sampling = SamplingParams().as_arrays()
+    box = call = None
     for impl in impls:
         try:
             step = jax.jit(
@@ -463,9 +464,10 @@ def model_decode_records(
                     steps_run=count[0],
                 )
             )
-            del box
         except Exception:  # noqa: BLE001
             records.append(_error("model_decode", shape, implementation=impl))
+        finally:
+            box = call = None  # free this variant's state (pools) before the next one
     return records
 
 
