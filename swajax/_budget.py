@@ -267,6 +267,12 @@ def kv_bytes_per_sequence(
         raise ValueError(f"input_len must be an int >= 0, got {input_len!r}")
     if isinstance(layout_or_specs, KVLayout):
         layout = layout_or_specs
+        if mode == "scratch" and not layout.scratch:
+            raise ValueError(
+                "mode='scratch' needs a layout built with scratch on (its scratch descriptors "
+                "bound the range); got a layout with scratch off: use mode='release' or build "
+                "the layout with scratch=True"
+            )
     else:
         layout = make_layout(
             layout_or_specs,

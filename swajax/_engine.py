@@ -194,11 +194,15 @@ class Engine:
         return tuple(g.num_slots for g in self.layout.groups)
 
     def request_need(self, prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
-        """Peak slots per pool group of one request (cached per shape)."""
+        """Peak slots per pool group of one request (cached per shape).
+
+        The last prefill step samples the first new token, so a request runs
+        max_new_tokens - 1 decode steps.
+        """
         k = (prompt_len, max_new_tokens)
         if k not in self._need_cache:
             self._need_cache[k] = request_slots(
-                self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens
+                self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens - 1
             )
         return self._need_cache[k]
 

@@ -130,6 +130,9 @@ def test_kv_bytes_per_sequence_by_hand():
     assert kb(SPECS, 128, 64, "release") == (3 * 1536 + full_bytes, 7 * 1536 + full_bytes)
     with pytest.raises(ValueError, match="mode must be one of"):
         kb(SPECS, 128, 64, "none")
+    # A scratch-off layout cannot answer for scratch (its descriptors hold no range).
+    with pytest.raises(ValueError, match="scratch off"):
+        swajax.kv_bytes_per_sequence(layout(scratch=False), 128, 128, "scratch")
     # fp8: one byte per element
     fp8 = swajax.KVCacheConfig(page_size=16, dtype="float8_e4m3fn")
     assert kb(SPECS, 128, 128, "full", kv_cache_config=fp8) == (
