@@ -44,6 +44,16 @@ then already right. A serving loop that passes the previous step's tables writes
 that changed (a block appended or released, a scratch range): the step costs the reads of the
 base table and of one [B, NB] slice of the previous table instead of L * B * 2 * NB * 4 bytes
 of writes. NB is padded to a multiple of 128 inside the kernel (in place only when NB already is).
+
+Cost, Gemma 3 27B (52 sliding + 10 full layers), batch 256, 128K context, page 32 (NB = 4096):
+a fresh table is 436 MB (sliding pool) + 84 MB (full pool) of writes whatever the row lengths
+(the BAD tail is written too), about 150 us at HBM write speed for the kernel and the
+reference alike, so a fresh table cannot meet a 50 us step budget. In place, a decode step
+reads 2 * 4 MB per pool (base table, layer-0 K slice of `out`) and writes the few tiles whose
+rows gained or released a block (a 512-block tile of the sliding pool is 213 KB). A compact
+sliding table (a ring of ceil(W / tpb) + chunk blocks per row instead of NB, 32x smaller here)
+would make even fresh tables cheap, but the attention and KV-write kernels would have to index
+it modulo the ring: a change of the kernel-facing API, not made.
 """
 
 from __future__ import annotations
