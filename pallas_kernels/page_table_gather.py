@@ -322,18 +322,8 @@ def page_table_gather_pallas(
     out=None,
     tile_blocks: int | None = None,
 ):
-    """Mosaic GPU page-table gather (validated inputs; see `page_table_gather`)."""
-    batch, max_blocks = base_table.shape
-    if batch == 0 or max_blocks == 0:
-        return page_table_gather_reference(
-            base_table,
-            kv_lens,
-            scratch_range,
-            scratch_slots,
-            num_layers=num_layers,
-            page_size=page_size,
-        )
-    _pick_tile(_round_up(max_blocks, LANES), tile_blocks)  # ValueError before tracing
+    """Mosaic GPU page-table gather (validated, non-empty inputs; see `page_table_gather`)."""
+    _pick_tile(_round_up(base_table.shape[1], LANES), tile_blocks)  # ValueError before tracing
     return _gather_pallas_jit(
         base_table,
         kv_lens,
@@ -410,7 +400,7 @@ def page_table_gather(
     use_pallas = implementation == "pallas" or (
         implementation == "auto" and _checks.on_hopper() and max_blocks % LANES == 0
     )
-    if use_pallas:
+    if use_pallas and batch and max_blocks:
         return page_table_gather_pallas(
             base_table,
             kv_lens,

@@ -308,6 +308,8 @@ def test_kernel_validation():
         page_table_gather(base, lens, rng_arr, slots, out=jnp.zeros((2, 2, 2, 4)), **kw)
     with pytest.raises(ValueError, match="tile_blocks must be a multiple of 128"):
         page_table_gather(base, lens, rng_arr, slots, tile_blocks=100, **kw)
+    empty = page_table_gather(base[:0], lens[:0], rng_arr[:0], slots[:0], **kw)
+    assert empty.shape == (2, 0, 2, 4)
 
 
 @pytest.mark.gpu
