@@ -105,6 +105,7 @@ def run_engine(
     max_batch=None,
     collect=False,
     implementation="reference",
+    poison=True,
     **kw,
 ):
     max_batch = max_batch or len(prompts)
@@ -117,10 +118,11 @@ def run_engine(
         implementation=implementation,
         min_prefill_bucket=max_batch * chunk,
     )
-    # Every page starts as NaN: a read of a page nobody wrote this run poisons the logits.
-    engine.state = dataclasses.replace(
-        engine.state, pools=tuple(jnp.full_like(p, jnp.nan) for p in engine.state.pools)
-    )
+    if poison:
+        # Every page starts as NaN: a read of a page nobody wrote this run poisons the logits.
+        engine.state = dataclasses.replace(
+            engine.state, pools=tuple(jnp.full_like(p, jnp.nan) for p in engine.state.pools)
+        )
     outputs, stats = engine.run(prompts, max_new, collect_logits=collect)
     return engine, outputs, stats
 
