@@ -78,10 +78,6 @@ def _attend_one(
     return o.reshape(tq, num_q_heads, head_dim)
 
 
-def _reference_common(pool, k_scale, v_scale):
-    return _checks.kv_scales(pool, k_scale, v_scale)
-
-
 def ragged_paged_attention_reference(
     q,
     pool,
@@ -102,7 +98,7 @@ def ragged_paged_attention_reference(
     Sequences are processed one after another (each with all T rows padded to its own
     [T, Hq, D] query block) so memory stays O(T * L) per sequence.
     """
-    ks, vs = _reference_common(pool, k_scale, v_scale)
+    ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
     num_tokens = q.shape[0]
     batch = page_table.shape[0]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
@@ -143,7 +139,7 @@ def paged_decode_attention_reference(
 
     Rows with kv_lens == 0 are inactive and return 0. Same core as the ragged reference.
     """
-    ks, vs = _reference_common(pool, k_scale, v_scale)
+    ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
 
     def one(args):
         q_b, pages, kv_len = args
@@ -188,13 +184,19 @@ def _check_common(
     return batch
 
 
-def _use_pallas(implementation: str, supported) -> bool:
-    """ "auto": the Pallas kernel on a Hopper GPU when it supports the configuration."""
-    if implementation == "reference":
-        return False
-    if implementation == "pallas":
-        return True
-    return _checks.on_hopper() and supported()
+def _dispatch(implementation, kernel, pallas_fn, reference_fn, args, attention, tuning):
+    """Runs `pallas_fn` or `reference_fn` on (*args, **attention).
+
+    "auto" takes the Pallas kernel on a Hopper GPU when `kernel.supports` the configuration;
+    tuning goes to the kernel only.
+    """
+    if implementation == "pallas" or (
+        implementation == "auto" and _checks.on_hopper() and kernel.supports(*args[:2], **tuning)
+    ):
+        return pallas_fn(*args, **attention, **tuning)
+    if tuning and implementation == "reference":
+        raise ValueError(f"tuning arguments {sorted(tuning)} apply only to the Pallas kernel")
+    return reference_fn(*args, **attention)
 
 
 def ragged_paged_attention(
@@ -225,33 +227,14 @@ def ragged_paged_attention(
     _checks.check_q_starts(q_starts, batch)
     from pallas_kernels import _prefill_kernel
 
-    if _use_pallas(implementation, lambda: _prefill_kernel.supports(q, pool, **tuning)):
-        return _prefill_kernel.ragged_paged_attention_pallas(
-            q,
-            pool,
-            page_table,
-            q_starts,
-            kv_lens,
-            scale=scale,
-            window=window,
-            softcap=softcap,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **tuning,
-        )
-    if tuning and implementation == "reference":
-        raise ValueError(f"tuning arguments {sorted(tuning)} apply only to the Pallas kernel")
-    return ragged_paged_attention_reference(
-        q,
-        pool,
-        page_table,
-        q_starts,
-        kv_lens,
-        scale=scale,
-        window=window,
-        softcap=softcap,
-        k_scale=k_scale,
-        v_scale=v_scale,
+    return _dispatch(
+        implementation,
+        _prefill_kernel,
+        _prefill_kernel.ragged_paged_attention_pallas,
+        ragged_paged_attention_reference,
+        (q, pool, page_table, q_starts, kv_lens),
+        dict(scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale),
+        tuning,
     )
 
 
@@ -281,29 +264,12 @@ def paged_decode_attention(
         raise ValueError(f"q batch {q.shape[0]} != page_table batch {batch}")
     from pallas_kernels import _decode_kernel
 
-    if _use_pallas(implementation, lambda: _decode_kernel.supports(q, pool, **tuning)):
-        return _decode_kernel.paged_decode_attention_pallas(
-            q,
-            pool,
-            page_table,
-            kv_lens,
-            scale=scale,
-            window=window,
-            softcap=softcap,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **tuning,
-        )
-    if tuning and implementation == "reference":
-        raise ValueError(f"tuning arguments {sorted(tuning)} apply only to the Pallas kernel")
-    return paged_decode_attention_reference(
-        q,
-        pool,
-        page_table,
-        kv_lens,
-        scale=scale,
-        window=window,
-        softcap=softcap,
-        k_scale=k_scale,
-        v_scale=v_scale,
+    return _dispatch(
+        implementation,
+        _decode_kernel,
+        _decode_kernel.paged_decode_attention_pallas,
+        paged_decode_attention_reference,
+        (q, pool, page_table, kv_lens),
+        dict(scale=scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale),
+        tuning,
     )
