@@ -270,15 +270,13 @@ class TransformerConfig:
                 "gemma4 uses attention scale 1.0; query_pre_attn_scalar must be None, got "
                 f"{self.query_pre_attn_scalar}"
             )
-        # Every KV-shared layer needs a writer of its type before the shared block.
-        writers = self.kv_writers
-        for i in range(self.first_kv_shared_layer, self.num_layers):
-            if self.layer_types[i] not in writers:
-                raise ValueError(
-                    f"KV-shared layer {i} ({self.layer_types[i]}) has no writer: no "
-                    f"{self.layer_types[i]} layer among the first {self.first_kv_shared_layer} "
-                    f"layers (num_kv_shared_layers={self.num_kv_shared_layers})"
-                )
+        i = first_layer_without_writer(self.layer_types, self.num_kv_shared_layers)
+        if i is not None:
+            raise ValueError(
+                f"KV-shared layer {i} ({self.layer_types[i]}) has no writer: no "
+                f"{self.layer_types[i]} layer among the first {self.first_kv_shared_layer} "
+                f"layers (num_kv_shared_layers={self.num_kv_shared_layers})"
+            )
 
     # ----------------------------------------------------------------- derived
 
@@ -404,3 +402,15 @@ def pattern_layer_types(family: str, num_layers: int, period: int) -> tuple[str,
     if family == "gemma4" and types:
         types[-1] = "full"
     return tuple(types)
+
+
+def first_layer_without_writer(
+    layer_types: tuple[str, ...], num_kv_shared_layers: int
+) -> int | None:
+    """The first KV-shared layer with no layer of its type before the shared block, or None.
+
+    Every KV-shared layer reads the KV of the last earlier layer of its type (its writer).
+    """
+    first = len(layer_types) - num_kv_shared_layers
+    written = set(layer_types[:first])
+    return next((i for i in range(first, len(layer_types)) if layer_types[i] not in written), None)

@@ -14,7 +14,13 @@ values raise `ValueError`.
 
 from __future__ import annotations
 
-from gemma._config import RopeConfig, TransformerConfig, check_fields, pattern_layer_types
+from gemma._config import (
+    RopeConfig,
+    TransformerConfig,
+    check_fields,
+    first_layer_without_writer,
+    pattern_layer_types,
+)
 
 _G3_LOCAL = RopeConfig(theta=10_000.0)
 _G3_GLOBAL = RopeConfig(theta=1_000_000.0)
@@ -195,11 +201,6 @@ _PRESETS: dict[str, tuple[dict, int]] = {
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 
-def _has_writers(layer_types: tuple[str, ...], num_shared: int) -> bool:
-    first = len(layer_types) - num_shared
-    return set(layer_types[first:]) <= set(layer_types[:first])
-
-
 def preset(name: str, **overrides) -> TransformerConfig:
     """The config of preset `name` with `overrides` applied."""
     if name not in _PRESETS:
@@ -220,7 +221,7 @@ def preset(name: str, **overrides) -> TransformerConfig:
     ):
         layer_types = tuple(kwargs["layer_types"])
         shared = min(base_shared * num_layers // base["num_layers"], num_layers - 1)
-        while shared > 0 and not _has_writers(layer_types, shared):
+        while shared > 0 and first_layer_without_writer(layer_types, shared) is not None:
             shared -= 1
         kwargs["num_kv_shared_layers"] = shared
     kwargs.setdefault("layer_types", ())  # an invalid num_layers is reported by the config
