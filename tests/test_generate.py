@@ -63,21 +63,25 @@ def make_model(family: str):
     return gemma.Transformer(config, rngs=nnx.Rngs(7), dtype=jnp.float32)
 
 
-def dense_greedy(model, prompts, max_new_tokens):
-    """Greedy generation by re-running the dense forward over the padded sequence."""
+def dense_greedy(model, prompts, max_new_tokens, *, with_logits=False):
+    """Greedy generation by re-running the dense forward over the padded sequence.
+
+    With `with_logits`, also returns {(prompt index, k): logits f32[V] that chose token k}.
+    """
     longest = max(len(p) for p in prompts) + max_new_tokens
     graphdef, params = nnx.split(model)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    outs = []
-    for prompt in prompts:
+    outs, step_logits = [], {}
+    for i, prompt in enumerate(prompts):
         seq = list(prompt)
-        for _ in range(max_new_tokens):
+        for k in range(max_new_tokens):
             padded = np.zeros((1, longest), np.int32)
             padded[0, : len(seq)] = seq
-            logits = forward(params, jnp.asarray(padded))
-            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+            logits = np.asarray(forward(params, jnp.asarray(padded))[0, len(seq) - 1])
+            step_logits[i, k] = logits
+            seq.append(int(np.argmax(logits)))
         outs.append(seq[len(prompt) :])
-    return outs
+    return (outs, step_logits) if with_logits else outs
 
 
 def prompts_of(lengths, seed=0):
@@ -145,7 +149,7 @@ def test_scratch_on_off_parity_and_dense_oracle(family, chunk, lengths):
     model = make_model(family)
     prompts = prompts_of(lengths, seed=chunk)
     max_new = 7
-    expected = dense_greedy(model, prompts, max_new)
+    expected, dense_logits = dense_greedy(model, prompts, max_new, with_logits=True)
     runs = {}
     for scratch in (False, True):
         engine, outputs, stats = run_engine(
@@ -159,9 +163,11 @@ def test_scratch_on_off_parity_and_dense_oracle(family, chunk, lengths):
         np.testing.assert_array_equal(np.asarray(engine.state.free_count), engine.num_slots)
         runs[scratch] = stats
     off, on = (_logits_by_token(runs[s]) for s in (False, True))
-    assert off.keys() == on.keys()
+    assert off.keys() == on.keys() == dense_logits.keys()
     for key in off:
         np.testing.assert_allclose(on[key], off[key], rtol=1e-5, atol=1e-5)
+        # The paged forward equals the dense forward (float32; different summation order).
+        np.testing.assert_allclose(on[key], dense_logits[key], rtol=1e-4, atol=1e-4)
     # Scratch never holds more, and is not inert once a chunk outgrows the window (16) by a
     # page: the sliding group holds fewer slots over the run with it on.
     on_stats, off_stats = runs[True], runs[False]
