@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import re
@@ -94,22 +95,28 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention  # noqa: E402
 
 
-def bench(fn, arg_sets, *, iters=10, reps=5, warmup=2):
-    """Median over reps of the mean per-call time (ms); calls cycle through arg_sets."""
+def time_calls(call, *, iters=10, reps=5, warmup=2):
+    """Median over reps of the mean per-call time (ms) of `call()` (returns arrays to block on)."""
     out = None
-    for i in range(warmup):
-        out = fn(*arg_sets[i % len(arg_sets)])
+    for _ in range(warmup):
+        out = call()
     jax.block_until_ready(out)
     times = []
-    k = 0
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(iters):
-            out = fn(*arg_sets[k % len(arg_sets)])
-            k += 1
+            out = call()
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / iters * 1e3)
     return float(np.median(times))
+
+
+def bench(fn, arg_sets, *, iters=10, reps=5, warmup=2):
+    """`time_calls` of fn, the calls cycling through arg_sets."""
+    count = itertools.count()
+    return time_calls(
+        lambda: fn(*arg_sets[next(count) % len(arg_sets)]), iters=iters, reps=reps, warmup=warmup
+    )
 
 
 def copies_for(nbytes):
@@ -434,6 +441,7 @@ def run_kv_write(records, args, quick):
 
 # %% main
 def jnp_copy_tbs(quick):
+    """Device copy bandwidth, TB/s of bytes read + written (x + 1 over a uint8 array)."""
     n = 2**20 if quick else 2**31
     x = jnp.ones((n,), jnp.uint8)
     t = bench(jax.jit(lambda a: a + jnp.uint8(1)), [(x,)], iters=3 if quick else 10)

@@ -46,34 +46,10 @@ import numpy as np
 
 import gemma
 import swajax
+from experiments.bench_kernels import jnp_copy_tbs, time_calls
 from pallas_kernels.page_table_gather import LANES, _pick_tile, page_table_gather
 
 GATHER_TARGET_US = 50.0
-
-
-def bench(call, *, iters=10, reps=5, warmup=2):
-    """Median over reps of the mean per-call time (ms) of `call()` (returns arrays to block on)."""
-    out = None
-    for _ in range(warmup):
-        out = call()
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return float(np.median(times))
-
-
-def copy_tbs(quick: bool) -> float:
-    """Device copy bandwidth, TB/s of bytes read + written (x + 1 over a uint8 array)."""
-    n = 2**20 if quick else 2**31
-    x = jnp.ones((n,), jnp.uint8)
-    f = jax.jit(lambda a: a + jnp.uint8(1))
-    t = bench(lambda: f(x), iters=3 if quick else 10)
-    return 2 * n / (t * 1e-3) / 1e12
 
 
 def _error(kernel, shape, **extra):
@@ -267,7 +243,7 @@ def _time_gather(layout, inputs, prev_inputs, impl, mode, quick):
                 for x, kw in zip(inputs, kws, strict=True)
             )
 
-        t = bench(lambda: tables(inputs), iters=iters)
+        t = time_calls(lambda: tables(inputs), iters=iters)
         return dict(time_ms=t, exact=_same_as_reference(layout, inputs, tables(inputs)))
 
     def update(inputs, outs):
@@ -291,7 +267,7 @@ def _time_gather(layout, inputs, prev_inputs, impl, mode, quick):
         state[0] = step(x, state[0])
         return state[0]
 
-    t = bench(call, iters=iters)
+    t = time_calls(call, iters=iters)
     if turn[0] % 2 == 0:  # the last call used the previous step's inputs
         call()
     return dict(time_ms=t, exact=_same_as_reference(layout, inputs, state[0]))
@@ -401,7 +377,7 @@ def model_decode_records(
         )
         kv_bytes = kv_read_bytes(layout, np.full(batch, context + steps // 2))
         shape.update(max_blocks=layout.max_blocks, num_slots=num_slots)
-        bw = copy_bw_tbs if copy_bw_tbs is not None else copy_tbs(quick)
+        bw = copy_bw_tbs if copy_bw_tbs is not None else jnp_copy_tbs(quick)
         floor_ms = (weight_bytes + kv_bytes) / (bw * 1e12) * 1e3
     except Exception:  # noqa: BLE001
         return [_error("model_decode", shape)]
@@ -443,7 +419,7 @@ def model_decode_records(
             t0 = time.perf_counter()
             jax.block_until_ready(call())  # compile
             compile_s = time.perf_counter() - t0
-            t = bench(call, iters=iters, reps=reps, warmup=1)
+            t = time_calls(call, iters=iters, reps=reps, warmup=1)
             _, ok = call()
             if not bool(ok):
                 raise RuntimeError("a decode step's reserve failed: too few slots")
@@ -519,7 +495,7 @@ def main(argv=None):
         records=[],
     )
     try:
-        res["copy_tbs"] = args.copy_tbs or copy_tbs(args.quick)
+        res["copy_tbs"] = args.copy_tbs or jnp_copy_tbs(args.quick)
     except Exception:  # noqa: BLE001
         res["copy_tbs"] = float("nan")
         res["records"].append(_error("copy", {}))

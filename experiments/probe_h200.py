@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 import traceback
 import warnings
 
@@ -19,19 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench_kernels import time_calls
+
 
 def bench(fn, *args, iters=20, reps=5):
-    """Median over `reps` of the mean time of `iters` back-to-back calls (ms)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e3)
-    return float(np.median(times))
+    """`time_calls` of fn(*args) after one warm-up call (ms)."""
+    return time_calls(lambda: fn(*args), iters=iters, reps=reps, warmup=1)
 
 
 def main():
