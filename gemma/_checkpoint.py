@@ -50,7 +50,7 @@ def _architecture(hf_config: dict) -> str:
     if architectures:
         name = architectures[0]
     else:
-        name = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.get("model_type"), None)
+        name = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.get("model_type"))
         if name is None:
             raise ValueError(
                 f"config.json names no architecture and model_type "

@@ -207,10 +207,10 @@ def config_from_hf(hf: Mapping) -> TransformerConfig:
         )
     model_type = _TEXT_MODEL_TYPE.get(model_type, model_type)
     family = _FAMILY_OF_MODEL_TYPE[model_type]
-    d = {**_DEFAULTS[model_type], **{k: v for k, v in text.items()}}
-    for key in ("tie_word_embeddings",):
-        if key in hf and "text_config" in hf and key not in text:
-            d[key] = hf[key]
+    d = {**_DEFAULTS[model_type], **text}
+    # A multimodal config.json may keep tie_word_embeddings at its top level.
+    if "text_config" in hf and "tie_word_embeddings" in hf and "tie_word_embeddings" not in text:
+        d["tie_word_embeddings"] = hf["tie_word_embeddings"]
 
     if d["hidden_activation"] not in _ACTIVATIONS:
         raise ValueError(

@@ -141,7 +141,7 @@ class Attention(nnx.Module):
         if self.writes_kv:
             k = jnp.einsum(
                 "...td,dkh->...tkh", x, self.k_proj[...].astype(self.dtype)
-            )  # [.., T, K, H]
+            )  # [..., T, K, H]
             if self.v_proj is None:
                 v = k
             else:
@@ -176,6 +176,13 @@ class MLP(nnx.Module):
 MOE_IMPLEMENTATIONS = ("ragged", "dense")
 
 
+def check_moe_implementation(implementation: str) -> None:
+    if implementation not in MOE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"moe_implementation must be one of {MOE_IMPLEMENTATIONS}, got {implementation!r}"
+        )
+
+
 class MoE(nnx.Module):
     """Gemma 4 router + experts.
 
@@ -192,10 +199,7 @@ class MoE(nnx.Module):
     def __init__(
         self, config: TransformerConfig, *, rngs, dtype, param_dtype, implementation="ragged"
     ):
-        if implementation not in MOE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"moe_implementation must be one of {MOE_IMPLEMENTATIONS}, got {implementation!r}"
-            )
+        check_moe_implementation(implementation)
         c = config
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         self.implementation = implementation
@@ -234,7 +238,7 @@ class MoE(nnx.Module):
         )  # [..., E]
         gate = jnp.einsum(
             "...d,edf->...ef", x, self.gate_proj[...].astype(self.dtype)
-        )  # [.., E, F]
+        )  # [..., E, F]
         up = jnp.einsum("...d,edf->...ef", x, self.up_proj[...].astype(self.dtype))
         y = jnp.einsum(
             "...ef,efd->...ed", gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from gemma._config import TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
-from gemma._layers import MOE_IMPLEMENTATIONS, Block, RMSNorm, _normal
+from gemma._layers import Block, RMSNorm, _normal, check_moe_implementation
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -77,11 +77,8 @@ class Transformer(nnx.Module):
     ):
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
-        if moe_implementation not in MOE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"moe_implementation must be one of {MOE_IMPLEMENTATIONS}, "
-                f"got {moe_implementation!r}"
-            )
+        # Checked here too: the MoE blocks that also check it exist only in MoE configs.
+        check_moe_implementation(moe_implementation)
         c = config
         self.config = config
         self.dtype = jnp.dtype(dtype)
