@@ -41,8 +41,8 @@ from pallas_kernels import _paged_common as pc
 ROWS = pc.ROWS  # query rows of one tile (G of them are real)
 SMEM_LIMIT = pc.SMEM_LIMIT
 SMEM_PER_SM = 228 * 1024
-HEAD_DIMS = (64, 128, 256, 512)
-PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+HEAD_DIMS = pc.HEAD_DIMS
+PAGE_SIZES = pc.PAGE_SIZES
 MAX_GROUP = ROWS
 NUM_SMS = 132
 
@@ -61,14 +61,6 @@ class DecodeTuning:
     num_splits: int | None = None
 
 
-def _compute_dtype(pool_dtype):
-    if _checks.is_fp8(pool_dtype):
-        return jnp.dtype(jnp.float16)  # e4m3 -> f16 is one cvt; e4m3 -> bf16 is not in hardware
-    if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float32):
-        return None
-    return jnp.dtype(pool_dtype)
-
-
 def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
     item = jnp.dtype(pool_dtype).itemsize
     ring = num_stages * 2 * block_kv * head_dim * item
@@ -83,18 +75,13 @@ def _pick(
     head_dim, page_size, pool_dtype, batch, num_kv_heads, max_blocks, tuning, p_in_smem=False
 ):
     """Resolves the tuning knobs; raises ValueError for an unsupported configuration."""
-    cdtype = _compute_dtype(pool_dtype)
+    cdtype = pc.compute_dtype(pool_dtype)
     if cdtype is None:
         raise ValueError("the Pallas decode kernel needs a bf16, f16 or fp8 pool, got float32")
     block_kv = tuning.block_kv
     if block_kv is None:
         block_kv = {64: 128, 128: 64, 256: 64, 512: 64}[head_dim]
-    if block_kv < 64 or block_kv % 64:
-        raise ValueError(f"block_kv must be a multiple of 64, got {block_kv}")
-    if block_kv % page_size and page_size % block_kv:
-        raise ValueError(
-            f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"
-        )
+    pc.check_block_kv(block_kv, page_size)
     num_stages = tuning.num_stages
     if num_stages is None:
         # Two blocks per SM (measured: 4.2 vs 3.1 TB/s at head_dim 128) with >= 2 stages if
@@ -142,10 +129,7 @@ def supports(q, pool, **tuning) -> bool:
 def _check_supported(q, pool):
     _, page_size, num_kv_heads, head_dim = pool.shape
     group = q.shape[1] // num_kv_heads
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"decode kernel head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"decode kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
+    pc.check_shape("decode", head_dim, page_size)
     if group > MAX_GROUP:
         raise ValueError(f"decode kernel GQA group must be <= {MAX_GROUP}, got {group}")
 
@@ -214,24 +198,21 @@ def _decode_call(
             p_smem = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
-            def issue(role, step, slot):
-                ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-                pc.issue_pages(
-                    pool_ref,
-                    pt_ref,
-                    ring,
-                    bar,
-                    slot=slot,
-                    b=b,
-                    role=role,
-                    kv_head=h,
-                    step=step,
-                    block_kv=T,
-                    page_size=page_size,
-                    lo_blk=lo_blk,
-                    hi_blk=hi_blk,
-                    max_blocks=max_blocks,
-                )
+            issue = pc.page_issuer(
+                pool_ref,
+                pt_ref,
+                k_ring,
+                k_bar,
+                v_ring,
+                v_bar,
+                b=b,
+                kv_head=h,
+                block_kv=T,
+                page_size=page_size,
+                lo_blk=lo_blk,
+                hi_blk=hi_blk,
+                max_blocks=max_blocks,
+            )
 
             @functools.partial(leader)
             def _prologue():
@@ -240,19 +221,14 @@ def _decode_call(
 
             plgpu.barrier_wait(q_bar)
 
-            def refill(role, done, j, j_abs, slot):
-                pc.ring_refill(
-                    issue,
-                    done,
-                    role,
-                    j=j,
-                    step=j_abs,
-                    slot=slot,
-                    n=n,
-                    num_stages=num_stages,
-                    leader=leader,
-                    multi_wg=num_wgs > 1,
-                )
+            refill = functools.partial(
+                pc.ring_refill,
+                issue,
+                n=n,
+                num_stages=num_stages,
+                leader=leader,
+                multi_wg=num_wgs > 1,
+            )
 
             def step(j, carry):
                 acc, m_i, l_i = carry
@@ -268,7 +244,9 @@ def _decode_call(
                     head_dim=head_dim,
                     block_kv=T,
                 )
-                refill(0, k_done, j, j_abs, slot)  # K of a later step streams in during P V
+                refill(
+                    k_done, 0, j=j, step=j_abs, slot=slot
+                )  # K of a later step streams in during P V
                 s = pc.softcap_logits(s * qk_scale, softcap)  # [64, T], log2 units
                 pos = j_abs * T + plgpu.broadcasted_iota(
                     jnp.int32, (ROWS, T), 1, layout=plgpu.Layout.WGMMA
@@ -288,7 +266,7 @@ def _decode_call(
                     p_in_smem=p_in_smem,
                 )
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-                refill(1, v_done, j, j_abs, slot)
+                refill(v_done, 1, j=j, step=j_abs, slot=slot)
                 return acc, m_i, l_i
 
             return lax.fori_loop(0, n, step, pc.init_stats(dv))

@@ -1,8 +1,10 @@
 """Pieces shared by the Mosaic GPU paged attention kernels (decode and ragged prefill).
 
 `issue_pages` streams one pipeline step of K or V pages into an SMEM ring slot by TMA, the
-page ids read from the page table; `softmax_step` is the float32 online-softmax update in log2
-units; `dequant` turns an fp8 SMEM chunk into float16 for WGMMA.
+page ids read from the page table (`page_issuer` binds it to a CUDA block's K and V rings);
+`softmax_step` is the float32 online-softmax update in log2 units; `dequant` turns an fp8 SMEM
+chunk into float16 for WGMMA. Also the supported shapes and the trace-time checks of the tuning
+knobs both kernels share.
 
 Axis names: S page_size, T tokens per step (block_kv), D head_dim.
 """
@@ -16,11 +18,40 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _checks
+
 ROWS = 64  # WGMMA M: rows of one warpgroup's query tile.
 MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024
 SWIZZLE = 128
+HEAD_DIMS = (64, 128, 256, 512)
+PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def compute_dtype(pool_dtype):
+    """WGMMA operand dtype of a pool dtype; None for float32 pools (not supported)."""
+    if _checks.is_fp8(pool_dtype):
+        return jnp.dtype(jnp.float16)  # e4m3 -> f16 is one cvt; e4m3 -> bf16 is not in hardware
+    if jnp.dtype(pool_dtype) == jnp.dtype(jnp.float32):
+        return None
+    return jnp.dtype(pool_dtype)
+
+
+def check_shape(kernel: str, head_dim: int, page_size: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{kernel} kernel head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"{kernel} kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
+
+
+def check_block_kv(block_kv: int, page_size: int) -> None:
+    if block_kv < 64 or block_kv % 64:
+        raise ValueError(f"block_kv must be a multiple of 64, got {block_kv}")
+    if block_kv % page_size and page_size % block_kv:
+        raise ValueError(
+            f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"
+        )
 
 
 def transforms(dtype):
@@ -69,6 +100,20 @@ def issue_pages(
             ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
             bar.at[slot],
         )
+
+
+def page_issuer(pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
+    """issue(role, step, slot): `issue_pages` into the K (role 0) or V (role 1) ring.
+
+    where: the keyword arguments of `issue_pages` that stay fixed for a CUDA block (b, kv_head,
+    block_kv, page_size, lo_blk, hi_blk, max_blocks).
+    """
+
+    def issue(role, step, slot):
+        ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
+        issue_pages(pool_ref, pt_ref, ring, bar, slot=slot, role=role, step=step, **where)
+
+    return issue
 
 
 def ring_prologue(issue, first, n, num_stages):

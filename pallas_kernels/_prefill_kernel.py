@@ -35,8 +35,8 @@ from pallas_kernels import _checks
 from pallas_kernels import _paged_common as pc
 
 ROWS = pc.ROWS
-HEAD_DIMS = (64, 128, 256, 512)
-PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+HEAD_DIMS = pc.HEAD_DIMS
+PAGE_SIZES = pc.PAGE_SIZES
 NUM_WGS = 2
 
 
@@ -67,22 +67,13 @@ def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
 
 
 def _pick(head_dim, page_size, pool_dtype, tuning, p_in_smem=False):
-    cdtype = None
-    if _checks.is_fp8(pool_dtype):
-        cdtype = jnp.dtype(jnp.float16)
-    elif jnp.dtype(pool_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        cdtype = jnp.dtype(pool_dtype)
+    cdtype = pc.compute_dtype(pool_dtype)
     if cdtype is None:
         raise ValueError(
             f"the Pallas prefill kernel needs a bf16, f16 or fp8 pool, got {pool_dtype}"
         )
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64}[head_dim]
-    if block_kv % 64:
-        raise ValueError(f"block_kv must be a multiple of 64, got {block_kv}")
-    if block_kv % page_size and page_size % block_kv:
-        raise ValueError(
-            f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"
-        )
+    pc.check_block_kv(block_kv, page_size)
     # One stage (K of the next step loads during P V, V during the next Q K) measured best:
     # 0.83 vs 0.88 ms at head_dim 128 and 1.76 vs 2.61 ms at 256 (8K tokens, H200).
     num_stages = tuning.num_stages or 1
@@ -197,24 +188,21 @@ def _prefill_jit(
             p_tile = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
-            def issue(role, step, slot):
-                ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-                pc.issue_pages(
-                    pool_ref,
-                    pt_ref,
-                    ring,
-                    bar,
-                    slot=slot,
-                    b=b,
-                    role=role,
-                    kv_head=kvh,
-                    step=step,
-                    block_kv=BK,
-                    page_size=page_size,
-                    lo_blk=lo_blk,
-                    hi_blk=hi_blk,
-                    max_blocks=max_blocks,
-                )
+            issue = pc.page_issuer(
+                pool_ref,
+                pt_ref,
+                k_ring,
+                k_bar,
+                v_ring,
+                v_bar,
+                b=b,
+                kv_head=kvh,
+                block_kv=BK,
+                page_size=page_size,
+                lo_blk=lo_blk,
+                hi_blk=hi_blk,
+                max_blocks=max_blocks,
+            )
 
             def load_q():
                 # The tile starts at any row: TMA into plain SMEM (tiled SMEM would need an
@@ -247,19 +235,14 @@ def _prefill_jit(
             qpos = pos0 - shift + rr
             row_ok = (rr >= shift) & (rr < shift + nv)
 
-            def refill(role, done, j, j_abs, slot):
-                pc.ring_refill(
-                    issue,
-                    done,
-                    role,
-                    j=j,
-                    step=j_abs,
-                    slot=slot,
-                    n=n,
-                    num_stages=num_stages,
-                    leader=leader,
-                    multi_wg=True,
-                )
+            refill = functools.partial(
+                pc.ring_refill,
+                issue,
+                n=n,
+                num_stages=num_stages,
+                leader=leader,
+                multi_wg=True,
+            )
 
             def step(j, carry):
                 acc, m_i, l_i = carry
@@ -275,7 +258,7 @@ def _prefill_jit(
                     head_dim=head_dim,
                     block_kv=BK,
                 )
-                refill(0, k_done, j, j_abs, slot)
+                refill(k_done, 0, j=j, step=j_abs, slot=slot)
                 s = pc.softcap_logits(s * qk_scale, softcap)
                 kpos = j_abs * BK + kk
                 valid = row_ok & (kpos <= qpos)
@@ -296,7 +279,7 @@ def _prefill_jit(
                     p_in_smem=p_in_smem,
                 )
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-                refill(1, v_done, j, j_abs, slot)
+                refill(v_done, 1, j=j, step=j_abs, slot=slot)
                 return acc, m_i, l_i
 
             return lax.fori_loop(0, n, step, pc.init_stats(dv))
@@ -384,10 +367,7 @@ def ragged_paged_attention_pallas(
 ):
     """Mosaic GPU ragged paged attention (validated inputs; see `paged_attention.py`)."""
     _, page_size, _, head_dim = pool.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"prefill kernel head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"prefill kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
+    pc.check_shape("prefill", head_dim, page_size)
     ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
     return _prefill_jit(
         q,
