@@ -259,6 +259,16 @@ def _mode_ctx(mode):
     return _checks.force_interpret() if mode == "interpret" else _checks.force_compiled()
 
 
+def _pallas(case, *, decode, **kw):
+    """The Pallas kernel on `case` with its scales; kw: scale, window, softcap, tuning."""
+    a = case.jax_args()
+    scales = dict(k_scale=jnp.float32(case.k_scale), v_scale=jnp.float32(case.v_scale))
+    if decode:
+        args = (a["q"], a["pool"], a["page_table"], a["kv_lens"])
+        return paged_decode_attention(*args, **scales, implementation="pallas", **kw)
+    return ragged_paged_attention(**a, **scales, implementation="pallas", **kw)
+
+
 DECODE_CASES = {
     # name: (kv_lens, Hq, Hkv, D, page_size, pool dtype, window, softcap, tuning)
     "d128_g4": ([37, 0, 70, 16], 8, 2, 128, 16, jnp.bfloat16, None, None, {}),
@@ -308,21 +318,8 @@ def test_decode_kernel(name, mode):
         v_scale=0.5 if fp8 else 1.0,
         row_fill=200.0,
     )
-    a = case.jax_args()
     with _mode_ctx(mode):
-        got = paged_decode_attention(
-            a["q"],
-            a["pool"],
-            a["page_table"],
-            a["kv_lens"],
-            scale=d**-0.5,
-            window=window,
-            softcap=softcap,
-            k_scale=jnp.float32(case.k_scale),
-            v_scale=jnp.float32(case.v_scale),
-            implementation="pallas",
-            **tuning,
-        )
+        got = _pallas(case, decode=True, scale=d**-0.5, window=window, softcap=softcap, **tuning)
     want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap, decode=True)
     _check(got, want, jnp.bfloat16)
 
@@ -356,19 +353,7 @@ def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
         k_scale=0.5,
         v_scale=0.25,
     )
-    a = case.jax_args()
-    got = paged_decode_attention(
-        a["q"],
-        a["pool"],
-        a["page_table"],
-        a["kv_lens"],
-        scale=d**-0.5,
-        window=window,
-        k_scale=jnp.float32(0.5),
-        v_scale=jnp.float32(0.25),
-        implementation="pallas",
-        num_splits=splits,
-    )
+    got = _pallas(case, decode=True, scale=d**-0.5, window=window, num_splits=splits)
     want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
     _check(got, want, jnp.bfloat16)
 
@@ -414,15 +399,7 @@ def test_prefill_kernel(name, mode):
         row_fill=100.0,
     )
     with _mode_ctx(mode):
-        got = ragged_paged_attention(
-            **case.jax_args(),
-            scale=d**-0.5,
-            window=window,
-            softcap=softcap,
-            k_scale=jnp.float32(case.k_scale),
-            v_scale=jnp.float32(case.v_scale),
-            implementation="pallas",
-        )
+        got = _pallas(case, decode=False, scale=d**-0.5, window=window, softcap=softcap)
     want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap)
     _check(got, want, jnp.bfloat16)
     assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
@@ -456,13 +433,6 @@ def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
         k_scale=0.5,
         v_scale=0.25,
     )
-    got = ragged_paged_attention(
-        **case.jax_args(),
-        scale=d**-0.5,
-        window=window,
-        k_scale=jnp.float32(0.5),
-        v_scale=jnp.float32(0.25),
-        implementation="pallas",
-    )
+    got = _pallas(case, decode=False, scale=d**-0.5, window=window)
     want = dense_oracle(case, scale=d**-0.5, window=window)
     _check(got, want, jnp.bfloat16)
