@@ -54,11 +54,13 @@ def _step(
     layout: KVLayout,
     decode: bool,
     implementation: str,
+    return_logits: bool = False,
 ):
-    """One engine step; returns (state, next_tokens i32[B], ok, row_logits f32[B, V], free i32[G]).
+    """One engine step; returns (state, next_tokens i32[B], ok, row_logits, free i32[G]).
 
     tokens: i32[T] packed new tokens; new_tokens: i32[B] per row; finished: bool[B] rows to free
-    first. next_tokens[b] is sampled from the logits of row b's last new token.
+    first. next_tokens[b] is sampled from the logits of row b's last new token; row_logits
+    (f32[B, V]) are returned only with `return_logits` (tests, analysis), else None.
     """
     state = free_rows(layout, state, finished)
     ok, state = reserve(layout, state, new_tokens)
@@ -87,7 +89,7 @@ def _step(
     )  # [B, V]: only each row's last new token is unembedded
     next_tokens = sample(logits, key, **sampling)
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
-    return state, next_tokens, ok, logits, free_after_reserve
+    return state, next_tokens, ok, (logits if return_logits else None), free_after_reserve
 
 
 @dataclasses.dataclass
@@ -185,7 +187,7 @@ class Engine:
 
         self._step = jax.jit(
             traced_step,
-            static_argnames=("graphdef", "layout", "decode", "implementation"),
+            static_argnames=("graphdef", "layout", "decode", "implementation", "return_logits"),
             donate_argnums=(1,),
         )
 
@@ -315,6 +317,7 @@ class Engine:
                 layout=layout,
                 decode=decode,
                 implementation=self.implementation,
+                return_logits=collect_logits,
             )
             next_tokens = np.asarray(next_tokens)
             if not bool(ok):
