@@ -203,6 +203,10 @@ def test_batch_larger_than_pool_is_served_in_waves():
     )
     assert outputs == expected
     assert 1 <= stats.max_concurrent < len(prompts)
+    # Jit replay: the same engine serves the batch again from its compiled steps, identically.
+    traces = engine.trace_count
+    again, _ = engine.run(prompts, 4)
+    assert again == expected and engine.trace_count == traces
     assert all(p <= n for p, n in zip(stats.peak_slots, stats.num_slots, strict=True))
 
 
