@@ -5,7 +5,8 @@ advance) and the host loop that schedules requests onto batch rows.
 
 A step is one call of a compiled function whose pool state is donated (updated in place).
 Its shapes depend only on the token bucket T and on whether the step is decode-only, so a
-run compiles a handful of variants and decode steps never recompile (`Engine.trace_count`).
+run compiles a handful of variants and decode steps never recompile (`Engine.trace_count`);
+the compiled steps are shared by engines of the same model structure and layout.
 
 Admission is decided in slots, never by running out of memory: a request is admitted into a
 free row only when, for every pool group, the peak slots of the admitted requests plus its
@@ -90,6 +91,23 @@ def _step(
     next_tokens = sample(logits, key, **sampling)
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     return state, next_tokens, ok, (logits if return_logits else None), free_after_reserve
+
+
+# One compiled step per (model structure, layout, bucket, mode), shared by every engine: repeated
+# `swajax.generate` calls with the same shapes reuse it instead of recompiling.
+_TRACES: collections.Counter = collections.Counter()
+
+
+def _traced_step(*args, **kwargs):
+    _TRACES[kwargs["layout"]] += 1
+    return _step(*args, **kwargs)
+
+
+_STEP = jax.jit(
+    _traced_step,
+    static_argnames=("graphdef", "layout", "decode", "implementation", "return_logits"),
+    donate_argnums=(1,),
+)
 
 
 @dataclasses.dataclass
@@ -178,18 +196,13 @@ class Engine:
         self.min_prefill_bucket = min_prefill_bucket
         self.graphdef, self.params = nnx.split(model)
         self.state = init_state(self.layout)
-        self.trace_count = 0
         self._need_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._traces_at_start = _TRACES[self.layout]
 
-        def traced_step(*args, **kwargs):
-            self.trace_count += 1
-            return _step(*args, **kwargs)
-
-        self._step = jax.jit(
-            traced_step,
-            static_argnames=("graphdef", "layout", "decode", "implementation", "return_logits"),
-            donate_argnums=(1,),
-        )
+    @property
+    def trace_count(self) -> int:
+        """Traces of the step for this engine's layout since the engine was made."""
+        return _TRACES[self.layout] - self._traces_at_start
 
     @property
     def num_slots(self) -> tuple[int, ...]:
@@ -229,7 +242,7 @@ class Engine:
     def lower_step(self, num_tokens: int, *, decode: bool):
         """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
         b = self.layout.max_batch
-        return self._step.lower(
+        return _STEP.lower(
             self.params,
             self.state,
             jnp.zeros((num_tokens,), jnp.int32),
@@ -305,7 +318,7 @@ class Engine:
             tokens = np.zeros(size, np.int32)
             tokens[: len(flat)] = flat
             key = jax.random.fold_in(base_key, stats.steps)
-            self.state, next_tokens, ok, logits, free = self._step(
+            self.state, next_tokens, ok, logits, free = _STEP(
                 self.params,
                 self.state,
                 jnp.asarray(tokens),

@@ -216,6 +216,10 @@ def test_generate_public_entry_point_and_sampling():
     cfg = kv_config(None)
     greedy = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
     assert greedy == dense_greedy(model, prompts, 3)
+    # A second call with the same shapes reuses the compiled steps.
+    traces = sum(swajax._engine._TRACES.values())
+    again = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
+    assert again == greedy and sum(swajax._engine._TRACES.values()) == traces
     sampling = swajax.SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
     a = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
     b = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
