@@ -240,7 +240,17 @@ def request_slots(
             f"need input_len >= 0, chunk >= 1, max_new_tokens >= 0, got {input_len}, {chunk}, "
             f"{max_new_tokens}"
         )
-    steps = _chunks(input_len, chunk) + [1] * max_new_tokens
+    return steps_slots(layout, _chunks(input_len, chunk) + [1] * max_new_tokens)
+
+
+def steps_slots(layout: KVLayout, steps: Sequence[int]) -> tuple[int, ...]:
+    """Peak slots per group of one row that grows by `steps[i]` tokens at step i, from empty.
+
+    The mode follows layout.scratch. A first step of k tokens also bounds a row that starts
+    from a shared k-token prefix (it holds at most what a k-token chunk would).
+    """
+    if any(n < 0 for n in steps):
+        raise ValueError(f"steps must be token counts >= 0, got {list(steps)}")
     _, peak = _simulate(layout, steps, "scratch" if layout.scratch else "release")
     return tuple(peak)
 

@@ -26,13 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from swajax._budget import request_slots
+from swajax._budget import request_slots, steps_slots
 from swajax._config import KVCacheConfig, resolve_scratch_policy
 from swajax._layout import KVLayout, make_layout
 from swajax._paged import make_attention_fn, token_positions
 from swajax._sampling import SamplingParams, sample
 from swajax._state import KVPoolState, init_state
-from swajax._transforms import advance, free_rows, reserve, step_metadata, step_page_tables
+from swajax._transforms import (
+    advance,
+    free_rows,
+    reserve,
+    row_slots,
+    share_prefix,
+    step_metadata,
+    step_page_tables,
+)
 
 MIN_BUCKET = 8
 
@@ -118,10 +126,36 @@ class _Request:
     need: tuple[int, ...]
     fed: int = 0
     out: list[int] = dataclasses.field(default_factory=list)
+    reuse: int = 0  # tokens of a cached prefix this request may start from (0: none)
+    park_at: int = 0  # a prefill step ends here and the prefix is parked for reuse (0: never)
 
     @property
     def done(self) -> bool:
         return len(self.out) >= self.max_new_tokens
+
+    def next_piece(self, chunk: int) -> list[int]:
+        """Prompt tokens of the next prefill step (a step ends exactly at park_at)."""
+        limit = self.park_at if self.fed < self.park_at else len(self.prompt)
+        return self.prompt[self.fed : min(self.fed + chunk, limit)]
+
+
+def _prefill_steps(prompt_len: int, chunk: int, start: int, park_at: int) -> list[int]:
+    """Tokens per prefill step of a request starting from a `start`-token shared prefix."""
+    steps, fed = ([start] if start else []), start
+    while fed < prompt_len:
+        limit = park_at if fed < park_at else prompt_len
+        steps.append(min(chunk, limit - fed))
+        fed += steps[-1]
+    return steps
+
+
+def _common_prefix(a: list[int], b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclasses.dataclass
@@ -136,6 +170,8 @@ class RunStats:
     slot_steps: tuple[int, ...] = ()  # per group: sum over steps of the slots held in the step
     num_slots: tuple[int, ...] = ()
     max_concurrent: int = 0
+    prefix_hits: int = 0  # requests that started from a cached prefix
+    prefix_tokens: int = 0  # prompt tokens they did not prefill
     step_logits: list | None = None
 
     @property
@@ -158,6 +194,13 @@ class Engine:
       implementation: kernels: "reference", "pallas" or "auto".
       min_prefill_bucket: smallest token-axis length of a prefill step (steps are padded to
         powers of two from here; a large value means one compiled prefill variant).
+      prefix_cache_rows: extra batch rows that park shared prompt prefixes for reuse (0: no
+        prefix cache). A prompt whose block-aligned prefix it shares with another prompt (or a
+        parked one) starts from that prefix: its source ends a prefill step exactly at the
+        boundary and the prefix's blocks are shared by reference (`share_prefix`). The window
+        ending at the boundary is then in normal pages, so prefixes hit with scratch reuse on.
+        Parked prefixes hold slots and are evicted (least recently used) when a request needs
+        them.
     """
 
     def __init__(
@@ -170,8 +213,11 @@ class Engine:
         prefill_chunk_size: int | None = None,
         implementation: str = "auto",
         min_prefill_bucket: int = MIN_BUCKET,
+        prefix_cache_rows: int = 0,
     ):
         config = model.config
+        if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
+            raise ValueError(f"prefix_cache_rows must be an int >= 0, got {prefix_cache_rows!r}")
         if prefill_chunk_size is None:
             prefill_chunk_size = kv_cache_config.chunk_size or 512
         if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
@@ -187,10 +233,16 @@ class Engine:
             config.layer_specs,
             kv_cache_config,
             max_context=max_context,
-            max_batch=max_batch,
+            max_batch=max_batch + prefix_cache_rows,
             max_chunk=self.chunk,
             scratch=scratch,
         )
+        self.serving_rows = max_batch
+        # Parked prefixes: prompt prefix -> cache row, least recently used first.
+        self.prefix_entries: collections.OrderedDict[tuple[int, ...], int] = (
+            collections.OrderedDict()
+        )
+        self._entry_slots: dict[int, np.ndarray] = {}
         self.vocab_size = config.vocab_size
         self.implementation = implementation
         self.min_prefill_bucket = min_prefill_bucket
@@ -256,6 +308,77 @@ class Engine:
             implementation=self.implementation,
         )
 
+    def _plan_prefixes(self, requests: list[_Request]) -> None:
+        """Sets each request's `reuse` (a shared block-aligned prefix) and `park_at`."""
+        tpb = self.layout.page_size
+        for i, r in enumerate(requests):
+            limit = len(r.prompt) - 1  # the last prompt token is always computed
+            best, source = 0, None
+            for key in self.prefix_entries:
+                if len(key) <= limit and r.prompt[: len(key)] == list(key) and len(key) > best:
+                    best, source = len(key), None
+            for s in requests[:i]:
+                k = min(_common_prefix(r.prompt, s.prompt), limit, len(s.prompt) - 1)
+                k = k // tpb * tpb
+                if k > best:
+                    best, source = k, s
+            r.reuse = best
+            if source is not None:
+                source.park_at = max(source.park_at, best)
+
+    def _need(self, r: _Request, hit: bool) -> tuple[int, ...]:
+        """Peak slots per group of request r's planned steps (from its shared prefix if hit)."""
+        decode = [1] * (r.max_new_tokens - 1)
+        n = len(r.prompt)
+        need = steps_slots(self.layout, _prefill_steps(n, self.chunk, 0, r.park_at) + decode)
+        if hit:  # also cover the fallback to a full prefill if the share fails
+            shared = _prefill_steps(n, self.chunk, r.reuse, r.park_at) + decode
+            need = tuple(np.maximum(need, steps_slots(self.layout, shared)))
+        return need
+
+    def _evict(self, keep=None) -> bool:
+        """Frees the least recently used parked prefix other than `keep`; False if none."""
+        for key, row in self.prefix_entries.items():
+            if key != keep:
+                del self.prefix_entries[key]
+                del self._entry_slots[row]
+                self._free_rows([row])
+                return True
+        return False
+
+    def clear_prefix_cache(self) -> None:
+        """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
+        while self._evict():
+            pass
+
+    def _free_rows(self, rows) -> None:
+        mask = np.zeros(self.layout.max_batch, bool)
+        mask[list(rows)] = True
+        self.state = _free_jit(self.layout, self.state, jnp.asarray(mask))
+
+    def _share(self, src: int, dst: int, num_tokens: int) -> bool:
+        ok, self.state = _share_jit(
+            self.layout, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens)
+        )
+        return bool(ok)
+
+    def _park(self, row: int, r: _Request) -> None:
+        """Parks the first r.park_at tokens of row's history in a cache row."""
+        key = tuple(r.prompt[: r.park_at])
+        if key in self.prefix_entries:
+            return
+        used = set(self.prefix_entries.values())
+        free = [c for c in range(self.serving_rows, self.layout.max_batch) if c not in used]
+        if not free:
+            self._evict()
+            used = set(self.prefix_entries.values())
+            free = [c for c in range(self.serving_rows, self.layout.max_batch) if c not in used]
+        if self._share(row, free[0], r.park_at):
+            self.prefix_entries[key] = free[0]
+            self._entry_slots[free[0]] = np.asarray(_row_slots_jit(self.layout, self.state))[
+                :, free[0]
+            ]
+
     def run(
         self,
         prompts: list[list[int]],
@@ -272,15 +395,19 @@ class Engine:
             self.check_fits(len(p), max_new_tokens)
         sampling_arrays = sampling.as_arrays()
         base_key = jax.random.key(seed)
-        layout, num_rows = self.layout, self.layout.max_batch
-        waiting = collections.deque(
+        layout, num_rows = self.layout, self.serving_rows
+        caching = layout.max_batch > num_rows
+        requests = [
             _Request(i, list(p), max_new_tokens, self.request_need(len(p), max_new_tokens))
             for i, p in enumerate(prompts)
-        )
+        ]
+        if caching:
+            self._plan_prefixes(requests)
+        waiting = collections.deque(requests)
         rows: list[_Request | None] = [None] * num_rows
         held = np.zeros(len(self.num_slots), np.int64)
         capacity = np.asarray(self.num_slots)
-        finished = np.zeros(num_rows, bool)
+        finished = np.zeros(layout.max_batch, bool)
         outputs: list[list[int]] = [[] for _ in prompts]
         zeros = (0,) * len(capacity)
         stats = RunStats(num_slots=self.num_slots, peak_slots=zeros, slot_steps=zeros)
@@ -292,22 +419,38 @@ class Engine:
             bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="generate")
         t0 = time.perf_counter()
         while waiting or any(r is not None for r in rows):
+            if caching and finished.any():  # rows must be empty before a prefix is shared in
+                self._free_rows(np.flatnonzero(finished))
+                finished[:] = False
             for b in range(num_rows):
-                if rows[b] is None and waiting and np.all(held + waiting[0].need <= capacity):
-                    rows[b] = waiting.popleft()
-                    held += rows[b].need
+                if rows[b] is not None or not waiting:
+                    continue
+                r = waiting[0]
+                key = tuple(r.prompt[: r.reuse])
+                entry = self.prefix_entries.get(key) if r.reuse else None
+                if caching:
+                    r.need = self._need(r, hit=entry is not None)
+                while not np.all(held + r.need + sum(self._entry_slots.values(), 0) <= capacity):
+                    if not self._evict(keep=key if entry is not None else None):
+                        break
+                if not np.all(held + r.need + sum(self._entry_slots.values(), 0) <= capacity):
+                    break
+                rows[b] = waiting.popleft()
+                held += r.need
+                if entry is not None and self._share(entry, b, r.reuse):
+                    self.prefix_entries.move_to_end(key)
+                    r.fed = r.reuse
+                    stats.prefix_hits += 1
+                    stats.prefix_tokens += r.reuse
             active = [b for b in range(num_rows) if rows[b] is not None]
             if not active:  # cannot happen: check_fits guarantees one request fits an empty pool
                 raise RuntimeError("no request could be admitted into an empty pool")
             stats.max_concurrent = max(stats.max_concurrent, len(active))
-            new_tokens = np.zeros(num_rows, np.int32)
+            new_tokens = np.zeros(layout.max_batch, np.int32)
             chunks = []
             for b in active:
                 r = rows[b]
-                if r.fed < len(r.prompt):
-                    piece = r.prompt[r.fed : r.fed + self.chunk]
-                else:
-                    piece = [r.out[-1]]
+                piece = r.next_piece(self.chunk) if r.fed < len(r.prompt) else [r.out[-1]]
                 new_tokens[b] = len(piece)
                 chunks.append(piece)
             decode = bool(np.all(new_tokens <= 1))
@@ -348,6 +491,8 @@ class Engine:
                 if r.fed < len(r.prompt):
                     r.fed += int(new_tokens[b])
                     stats.prefill_tokens += int(new_tokens[b])
+                    if caching and r.park_at and r.fed == r.park_at:
+                        self._park(b, r)
                     if r.fed < len(r.prompt):
                         continue
                 else:
@@ -363,12 +508,22 @@ class Engine:
                     held -= r.need
                     finished[b] = True
         if finished.any():
-            self.state = _free_jit(layout, self.state, jnp.asarray(finished))
+            self._free_rows(np.flatnonzero(finished))
         jax.block_until_ready(self.state)
         stats.seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         return outputs, stats
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _share_jit(layout, state, src, dst, num_tokens):
+    return share_prefix(layout, state, src, dst, num_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _row_slots_jit(layout, state):
+    return row_slots(layout, state)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)

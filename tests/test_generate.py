@@ -337,3 +337,38 @@ def test_pallas_generation_matches_reference_on_gpu(family):
     for key in ref:
         np.testing.assert_allclose(pallas[key], ref[key], rtol=2e-2, atol=2e-2)
     assert runs["pallas"][0] == runs["reference"][0]
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_cached_prefix_reuse_with_scratch_on_and_off(family):
+    """Prompts sharing a 40-token prefix: the first parks 32 tokens (two blocks), the others
+    start from them. Tokens equal dense greedy, logits equal the dense forward's and match
+    between scratch ON and OFF; every slot returns once the prefix cache is cleared."""
+    model = make_model(family)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(1, VOCAB, size=40).tolist()
+    prompts = [shared + rng.integers(1, VOCAB, size=n).tolist() for n in (15, 9, 20)]
+    expected, dense_logits = dense_greedy(model, prompts, 5, with_logits=True)
+    logits = {}
+    for scratch in (False, True):
+        engine = swajax.Engine(
+            model,
+            kv_config(scratch),
+            max_context=128,
+            max_batch=1,
+            prefill_chunk_size=32,  # > window: the first chunk of the prefix is scratch-backed
+            implementation="reference",
+            min_prefill_bucket=32,
+            prefix_cache_rows=1,
+        )
+        outputs, stats = engine.run(prompts, 5, collect_logits=True)
+        assert outputs == expected
+        assert (stats.prefix_hits, stats.prefix_tokens) == (2, 64)
+        logits[scratch] = _logits_by_token(stats)
+        for key, value in logits[scratch].items():
+            np.testing.assert_allclose(value, dense_logits[key], rtol=1e-4, atol=1e-4)
+        assert engine.trace_count == 2
+        engine.clear_prefix_cache()
+        np.testing.assert_array_equal(np.asarray(engine.state.free_count), engine.num_slots)
+    for key in logits[False]:
+        np.testing.assert_allclose(logits[True][key], logits[False][key], rtol=1e-5, atol=1e-5)
