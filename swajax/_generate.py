@@ -54,6 +54,7 @@ def generate(
     seed: int = 0,
     implementation: str = "auto",
     max_batch: int | None = None,
+    prefix_cache_rows: int = 0,
 ) -> list[list[int]]:
     """Generates `max_new_tokens` token ids for each prompt on a paged KV cache.
 
@@ -70,6 +71,8 @@ def generate(
       max_batch: sequences served at once (default kv_cache_config.max_batch, else
         min(len(prompts), 16)). More prompts than rows, or than the pool holds, are served in
         waves.
+      prefix_cache_rows: rows that park shared prompt prefixes so that prompts sharing a
+        block-aligned prefix skip its prefill (see `Engine`); 0 disables the prefix cache.
 
     Returns:
       The generated token ids of each prompt, in order.
@@ -85,6 +88,7 @@ def generate(
         max_batch=max_batch or cfg.max_batch or min(len(prompts), 16),
         prefill_chunk_size=prefill_chunk_size,
         implementation=implementation,
+        prefix_cache_rows=prefix_cache_rows,
     )
     outputs, _ = engine.run(prompts, max_new_tokens, sampling=sampling, seed=seed)
     return outputs
