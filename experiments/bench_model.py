@@ -399,7 +399,7 @@ def model_decode_records(
             count = [0]
 
             def call(step=step, box=box, count=count, impl=impl):
-                box[0], next_tokens, ok, _, _ = step(
+                box[0], next_tokens, ok, *_ = step(
                     params,
                     box[0],
                     tokens,

@@ -58,6 +58,7 @@ def _step(
     finished,
     key,
     sampling,
+    tables=None,
     *,
     graphdef,
     layout: KVLayout,
@@ -65,7 +66,11 @@ def _step(
     implementation: str,
     return_logits: bool = False,
 ):
-    """One engine step; returns (state, next_tokens i32[B], ok, row_logits, free i32[G]).
+    """One engine step; returns (state, next_tokens, ok, row_logits, free, tables).
+
+    next_tokens i32[B], ok bool[], free i32[G] slots free after the reserve, tables the step's
+    per-pool page tables. `tables`, the previous step's (donated), lets the gather update them in
+    place (per_layer mode).
 
     tokens: i32[T] packed new tokens; new_tokens: i32[B] per row; finished: bool[B] rows to free
     first. next_tokens[b] is sampled from the logits of row b's last new token; row_logits
@@ -75,7 +80,7 @@ def _step(
     ok, state = reserve(layout, state, new_tokens)
     free_after_reserve = state.free_count
     meta = step_metadata(layout, state)
-    tables = step_page_tables(layout, state, implementation=implementation)
+    tables = step_page_tables(layout, state, implementation=implementation, out=tables)
     num_tokens = tokens.shape[0]
     positions = token_positions(meta, num_tokens)
     attention_fn = make_attention_fn(
@@ -98,7 +103,8 @@ def _step(
     )  # [B, V]: only each row's last new token is unembedded
     next_tokens = sample(logits, key, **sampling)
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
-    return state, next_tokens, ok, (logits if return_logits else None), free_after_reserve
+    logits = logits if return_logits else None
+    return state, next_tokens, ok, logits, free_after_reserve, tables
 
 
 # One compiled step per (model structure, layout, bucket, mode), shared by every engine: repeated
@@ -114,7 +120,7 @@ def _traced_step(*args, **kwargs):
 _STEP = jax.jit(
     _traced_step,
     static_argnames=("graphdef", "layout", "decode", "implementation", "return_logits"),
-    donate_argnums=(1,),
+    donate_argnums=(1, 7),
 )
 
 
@@ -248,6 +254,19 @@ class Engine:
         self.min_prefill_bucket = min_prefill_bucket
         self.graphdef, self.params = nnx.split(model)
         self.state = init_state(self.layout)
+        # The previous step's page tables, updated in place by the gather (per_layer mode).
+        self.tables = (
+            tuple(
+                jnp.full(
+                    (p.num_layers, self.layout.max_batch, 2, self.layout.max_blocks),
+                    -1,
+                    jnp.int32,
+                )
+                for p in self.layout.pools
+            )
+            if self.layout.page_table_mode == "per_layer"
+            else None
+        )
         self._need_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self._traces_at_start = _TRACES[self.layout]
 
@@ -302,6 +321,7 @@ class Engine:
             jnp.zeros((b,), bool),
             jax.random.key(0),
             SamplingParams().as_arrays(),
+            self.tables,
             graphdef=self.graphdef,
             layout=self.layout,
             decode=decode,
@@ -461,7 +481,7 @@ class Engine:
             tokens = np.zeros(size, np.int32)
             tokens[: len(flat)] = flat
             key = jax.random.fold_in(base_key, stats.steps)
-            self.state, next_tokens, ok, logits, free = _STEP(
+            self.state, next_tokens, ok, logits, free, tables = _STEP(
                 self.params,
                 self.state,
                 jnp.asarray(tokens),
@@ -469,12 +489,15 @@ class Engine:
                 jnp.asarray(finished),
                 key,
                 sampling_arrays,
+                self.tables,
                 graphdef=self.graphdef,
                 layout=layout,
                 decode=decode,
                 implementation=self.implementation,
                 return_logits=collect_logits,
             )
+            if self.tables is not None:
+                self.tables = tables
             next_tokens = np.asarray(next_tokens)
             if not bool(ok):
                 raise RuntimeError(

@@ -409,7 +409,7 @@ def step_metadata(layout: KVLayout, state: KVPoolState) -> StepMetadata:
 
 
 def step_page_tables(
-    layout: KVLayout, state: KVPoolState, *, implementation: str = "auto"
+    layout: KVLayout, state: KVPoolState, *, implementation: str = "auto", out=None
 ) -> tuple[jax.Array, ...]:
     """Page tables of the step in flight, one array per pool.
 
@@ -417,9 +417,14 @@ def step_page_tables(
     pool's layer j (scratch rotation included). "shared": i32[1, B, 2, NB], the table of layer
     j = 0; layer j adds its offset 2*j (see `layer_page_table`). Only blocks < ceil(cap/tpb) are
     set; BAD elsewhere.
+
+    out: optional previous step's tables (per_layer mode; DONATED): the Pallas gather rewrites
+    only what changed in place (see `page_table_gather`); the reference ignores it.
     """
+    if out is not None and layout.page_table_mode != "per_layer":
+        raise ValueError("out= (in-place page tables) needs page_table_mode='per_layer'")
     tables = []
-    for pool in layout.pools:
+    for p, pool in enumerate(layout.pools):
         g = pool.group
         t = page_table_gather(
             state.base_tables[g],
@@ -429,6 +434,7 @@ def step_page_tables(
             num_layers=pool.num_layers,
             page_size=layout.page_size,
             implementation=implementation,
+            out=None if out is None else out[p],
         )
         tables.append(t if layout.page_table_mode == "per_layer" else t[:1])
     return tuple(tables)
