@@ -91,7 +91,7 @@ def ragged_paged_attention_reference(
     k_scale=None,
     v_scale=None,
 ):
-    """Pure-jnp ragged paged attention (float32 accumulation); see the `pallas_kernels` package docstring.
+    """Pure-jnp ragged paged attention, float32 accumulation (see the `pallas_kernels` docstring).
 
     q: [T, Hq, D]; pool: [P, S, Hkv, D]; page_table: i32[B, 2, NB]; q_starts: i32[B + 1];
     kv_lens: i32[B]. Returns [T, Hq, D] in q's dtype, padding rows (>= q_starts[B]) zero.

@@ -393,7 +393,7 @@ def row_slots(layout: KVLayout, state: KVPoolState) -> jax.Array:
 
 
 class StepMetadata(NamedTuple):
-    """Ragged-batch metadata of the step in flight (conventions in the `pallas_kernels` docstring)."""
+    """Ragged-batch metadata of the step in flight (see the `pallas_kernels` docstring)."""
 
     q_lens: jax.Array  # i32[B] new tokens per row (cap - history)
     q_starts: jax.Array  # i32[B + 1] cumulative starts of each row's packed new tokens
