@@ -267,7 +267,7 @@ class Engine:
             if self.layout.page_table_mode == "per_layer"
             else None
         )
-        self._need_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._need_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._traces_at_start = _TRACES[self.layout]
 
     @property
@@ -348,13 +348,16 @@ class Engine:
 
     def _need(self, r: _Request, hit: bool) -> tuple[int, ...]:
         """Peak slots per group of request r's planned steps (from its shared prefix if hit)."""
-        decode = [1] * (r.max_new_tokens - 1)
         n = len(r.prompt)
-        need = steps_slots(self.layout, _prefill_steps(n, self.chunk, 0, r.park_at) + decode)
-        if hit:  # also cover the fallback to a full prefill if the share fails
-            shared = _prefill_steps(n, self.chunk, r.reuse, r.park_at) + decode
-            need = tuple(np.maximum(need, steps_slots(self.layout, shared)))
-        return need
+        k = (n, r.max_new_tokens, r.park_at, r.reuse if hit else 0)
+        if k not in self._need_cache:
+            decode = [1] * (r.max_new_tokens - 1)
+            need = steps_slots(self.layout, _prefill_steps(n, self.chunk, 0, r.park_at) + decode)
+            if hit:  # also cover the fallback to a full prefill if the share fails
+                shared = _prefill_steps(n, self.chunk, r.reuse, r.park_at) + decode
+                need = tuple(np.maximum(need, steps_slots(self.layout, shared)))
+            self._need_cache[k] = need
+        return self._need_cache[k]
 
     def _evict(self, keep=None) -> bool:
         """Frees the least recently used parked prefix other than `keep`; False if none."""
