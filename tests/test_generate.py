@@ -92,7 +92,7 @@ def prompts_of(lengths, seed=0):
 def kv_config(scratch, **kw):
     return swajax.KVCacheConfig(
         page_size=kw.pop("page_size", 16),
-        dtype=jnp.float32,
+        dtype=kw.pop("dtype", jnp.float32),
         enable_swa_scratch_reuse=scratch,
         max_gpu_total_bytes=kw.pop("max_gpu_total_bytes", 64 << 20),
         **kw,
@@ -333,10 +333,20 @@ def test_pallas_generation_matches_reference_on_gpu(family):
             dtype=jnp.bfloat16,
         )
         runs[impl] = (outputs, _logits_by_token(stats))
-    ref, pallas = runs["reference"][1], runs["pallas"][1]
-    for key in ref:
-        np.testing.assert_allclose(pallas[key], ref[key], rtol=2e-2, atol=2e-2)
-    assert runs["pallas"][0] == runs["reference"][0]
+    (ref_tokens, ref), (pallas_tokens, pallas) = runs["reference"], runs["pallas"]
+    assert len(ref_tokens) == len(pallas_tokens) == len(prompts)
+    compared = 0
+    for i, (want, got) in enumerate(zip(ref_tokens, pallas_tokens, strict=True)):
+        # Teacher forcing ends at the first differing token: the kernels' bf16 rounding may
+        # flip a near tie (then the reference's top-2 margin must be small), never more.
+        for k in range(len(want)):
+            np.testing.assert_allclose(pallas[i, k], ref[i, k], rtol=2e-2, atol=2e-2)
+            compared += 1
+            if got[k] != want[k]:
+                top2 = np.sort(np.asarray(ref[i, k], np.float32))[-2:]
+                assert top2[1] - top2[0] < 0.05, (i, k, top2)
+                break
+    assert compared >= len(prompts) * 3
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma3"])
