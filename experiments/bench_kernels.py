@@ -92,6 +92,7 @@ if __name__ == "__main__" and "--quick" not in os.sys.argv:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from experiments._profile import device_kernel_times, top_kernels  # noqa: E402
 from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention  # noqa: E402
 
 
@@ -173,6 +174,8 @@ def run_decode(records, args, quick):
         ]
     cases = [(b, c, d, h, g, None, jnp.bfloat16) for b, c, d, h, g in shapes] + extra
     for batch, context, d, hkv, g, window, dtype in cases:
+        if not _selected(args, batch=batch, context=context, head_dim=d):
+            continue
         shape = dict(
             batch=batch,
             context=context,
@@ -193,10 +196,14 @@ def run_decode(records, args, quick):
             if not quick and pool.nbytes < 4 * L2_BYTES:
                 sets += [(q, pool + 0, pt, lens) for _ in range(copies_for(pool.nbytes) - 1)]
             tunings = [{}]
-            sweep = args.sweep and not quick and (batch, context) == (128, 32768)
-            if sweep:
+            sweep = args.sweep and not quick and context == 32768 and window is None
+            if sweep and batch == 128:
                 tunings += [dict(block_kv=bk, num_stages=st) for bk in (64, 128) for st in (2, 3)]
                 tunings += [dict(num_splits=s) for s in (1, 2, 4, 8)]
+            elif sweep:  # small batches: split-K and ring depth
+                tunings += [dict(num_splits=s) for s in (2, 3, 4, 6, 8, 12)]
+                tunings += [dict(num_splits=s, num_stages=st) for s in (3, 4) for st in (2, 3)]
+                tunings += [dict(num_splits=s, block_kv=128) for s in (2, 4)]
             best = None
             for tuning in tunings:
                 try:
@@ -301,6 +308,8 @@ def run_prefill(records, args, quick):
     heads = 4 if quick else 16
     impl = "reference" if quick else "pallas"
     for d, hkv in ((128, 8), (256, 8), (512, 4)):
+        if not _selected(args, head_dim=d):
+            continue
         if quick:
             if d != 128:
                 continue
@@ -423,7 +432,12 @@ def run_kv_write(records, args, quick):
                     state[0] = fn(state[0], pt, k, v, q_starts, lens)
                     return state[0]
 
-                t = bench(step, [(kk, kk, q_starts, lens)], iters=3 if quick else 20)
+                wall = bench(step, [(kk, kk, q_starts, lens)], iters=3 if quick else 20)
+                # Kernel time from a profiler trace: a decode-sized write is shorter than the
+                # Python dispatch of its jitted call, which the wall clock would measure.
+                prof = device_kernel_times(functools.partial(step, kk, kk, q_starts, lens), 10)
+                device = prof["busy_us"] / 1e3 if prof["kernels"] else None
+                t = device or wall
                 pool = state[0]
                 records.append(
                     dict(
@@ -431,6 +445,9 @@ def run_kv_write(records, args, quick):
                         shape=shape,
                         implementation=im,
                         time_ms=t,
+                        wall_ms=wall,
+                        device_ms=device,
+                        device_kernels=top_kernels(prof, 4) if prof["kernels"] else [],
                         bytes=nbytes,
                         tbs=nbytes / (t * 1e-3) / 1e12,
                     )
@@ -441,11 +458,16 @@ def run_kv_write(records, args, quick):
 
 # %% main
 def jnp_copy_tbs(quick):
-    """Device copy bandwidth, TB/s of bytes read + written (x + 1 over a uint8 array)."""
-    n = 2**20 if quick else 2**31
-    x = jnp.ones((n,), jnp.uint8)
-    t = bench(jax.jit(lambda a: a + jnp.uint8(1)), [(x,)], iters=3 if quick else 10)
-    return 2 * n / (t * 1e-3) / 1e12
+    """Device copy bandwidth, TB/s of bytes read + written (x + 1 over 2 GiB of uint32)."""
+    n = 2**18 if quick else 2**29
+    x = jnp.ones((n,), jnp.uint32)
+    t = bench(jax.jit(lambda a: a + jnp.uint32(1)), [(x,)], iters=3 if quick else 10)
+    return 2 * 4 * n / (t * 1e-3) / 1e12
+
+
+def _selected(args, **dims) -> bool:
+    """Whether a case passes the --batch / --context / --head-dim filters."""
+    return all(getattr(args, k, None) in (None, v) for k, v in dims.items())
 
 
 def main():
@@ -455,6 +477,9 @@ def main():
     p.add_argument("--only", default="", help="regex over decode|prefill|kv_write")
     p.add_argument("--sweep", action="store_true", help="sweep decode knobs at B=128, 32K")
     p.add_argument("--no-builtin", action="store_true", help="skip the Triton peer")
+    p.add_argument("--batch", type=int, default=None, help="only decode cases of this batch")
+    p.add_argument("--context", type=int, default=None, help="only decode cases of this context")
+    p.add_argument("--head-dim", type=int, default=None, help="only cases of this head_dim")
     args = p.parse_args()
     dev = jax.devices()[0]
     res = dict(

@@ -40,14 +40,23 @@ import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import gemma
-import swajax
-from experiments.bench_kernels import jnp_copy_tbs, time_calls
-from pallas_kernels.page_table_gather import LANES, _pick_tile, page_table_gather
+from experiments.bench_kernels import cupy_copy_tbs, torch_copy_tbs
+
+# Peers measured before JAX takes most of the GPU memory (as in bench_kernels).
+_PEER_COPY = {}
+if __name__ == "__main__" and "--quick" not in sys.argv and "--copy-tbs" not in sys.argv:
+    _PEER_COPY = {"torch": torch_copy_tbs(), "cupy": cupy_copy_tbs()}
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import gemma  # noqa: E402
+import swajax  # noqa: E402
+from experiments._profile import device_kernel_times, top_kernels  # noqa: E402
+from experiments.bench_kernels import jnp_copy_tbs, time_calls  # noqa: E402
+from pallas_kernels.page_table_gather import LANES, _pick_tile, page_table_gather  # noqa: E402
 
 GATHER_TARGET_US = 50.0
 
@@ -205,7 +214,8 @@ def gather_records(quick: bool = False, impls=("reference", "pallas")) -> list[d
                 rec = _time_gather(layout, jin, jprev, impl, mode, quick)
                 written = table_bytes if mode == "fresh" else in_place_bytes
                 read = read_bytes * (1 if mode == "fresh" else 2)
-                t = rec["time_ms"]
+                # The kernels' own time when a GPU trace has them, else the wall clock.
+                t = rec["device_ms"] or rec["wall_ms"]
                 records.append(
                     dict(
                         kernel="gather_step",
@@ -214,6 +224,10 @@ def gather_records(quick: bool = False, impls=("reference", "pallas")) -> list[d
                         mode=mode,
                         time_ms=t,
                         time_us=t * 1e3,
+                        wall_ms=rec["wall_ms"],
+                        device_ms=rec["device_ms"],
+                        device_span_ms=rec["device_span_ms"],
+                        device_kernels=rec["device_kernels"],
                         bytes_written=written,
                         bytes_read=read,
                         tbs=written / (t * 1e-3) / 1e12,
@@ -244,7 +258,11 @@ def _time_gather(layout, inputs, prev_inputs, impl, mode, quick):
             )
 
         t = time_calls(lambda: tables(inputs), iters=iters)
-        return dict(time_ms=t, exact=_same_as_reference(layout, inputs, tables(inputs)))
+        return dict(
+            wall_ms=t,
+            **_device_time(lambda: tables(inputs), iters),
+            exact=_same_as_reference(layout, inputs, tables(inputs)),
+        )
 
     def update(inputs, outs):
         return tuple(
@@ -268,9 +286,24 @@ def _time_gather(layout, inputs, prev_inputs, impl, mode, quick):
         return state[0]
 
     t = time_calls(call, iters=iters)
+    if turn[0] % 2 == 1:  # keep the pairs of calls aligned: the next call uses `inputs`
+        call()
+    device = _device_time(call, 2 * (iters // 2))
     if turn[0] % 2 == 0:  # the last call used the previous step's inputs
         call()
-    return dict(time_ms=t, exact=_same_as_reference(layout, inputs, state[0]))
+    return dict(wall_ms=t, **device, exact=_same_as_reference(layout, inputs, state[0]))
+
+
+def _device_time(call, iters):
+    """Summed kernel time per call from a profiler trace (None off-GPU or without kernels)."""
+    times = device_kernel_times(call, iters)
+    if not times["kernels"]:
+        return dict(device_ms=None, device_span_ms=None, device_kernels=[])
+    return dict(
+        device_ms=times["busy_us"] / 1e3,
+        device_span_ms=times["span_us"] / 1e3,
+        device_kernels=top_kernels(times, 6),
+    )
 
 
 def _same_as_reference(layout, inputs, tables) -> bool:
@@ -344,7 +377,7 @@ def model_decode_records(
 
     records = []
     batch, context, tpb = (2, 256, 16) if quick else (64, 8192, 32)
-    steps = 8 if quick else 40  # rows grow by one token per timed or warm-up step
+    steps = 16 if quick else 64  # rows grow by one token per timed, traced or warm-up step
     shape = dict(batch=batch, context=context, page_size=tpb, kv_dtype="bfloat16")
     try:
         config = decode_config(quick)
@@ -420,6 +453,7 @@ def model_decode_records(
             jax.block_until_ready(call())  # compile
             compile_s = time.perf_counter() - t0
             t = time_calls(call, iters=iters, reps=reps, warmup=1)
+            prof = device_kernel_times(call, iters)
             _, ok = call()
             if not bool(ok):
                 raise RuntimeError("a decode step's reserve failed: too few slots")
@@ -437,6 +471,9 @@ def model_decode_records(
                     tbs=(weight_bytes + kv_bytes) / (t * 1e-3) / 1e12,
                     tokens_per_s=batch / (t * 1e-3),
                     compile_s=compile_s,
+                    device_busy_ms=prof["busy_us"] / 1e3 if prof["kernels"] else None,
+                    device_span_ms=prof["span_us"] / 1e3 if prof["kernels"] else None,
+                    top_kernels=top_kernels(prof, 15) if prof["kernels"] else [],
                     steps_run=count[0],
                 )
             )
@@ -461,13 +498,18 @@ def _print(res):
         extra = ""
         if r["kernel"] == "gather_step":
             extra = f"{r['time_us']:9.1f} us  written {r['bytes_written'] / 1e6:9.3f} MB"
+            extra += f"  (wall {r['wall_ms'] * 1e3:.1f} us)"
             extra += "" if r["exact"] else "  NOT EQUAL TO THE REFERENCE"
         else:
             extra = f"floor {r['floor_ms']:.3f} ms  x{r['ratio']:.2f}"
+            if r.get("device_busy_ms"):
+                extra += f"  kernels {r['device_busy_ms']:.3f} ms"
         print(
             f"{r['kernel']:<13} {what:<48} {desc:<60} {r['time_ms']:9.3f} ms "
             f"{r['tbs']:6.2f} TB/s  {extra}"
         )
+        for k in r.get("top_kernels", []):
+            print(f"    {k['us']:9.1f} us  x{k['count']:<5.0f} {k['share']:6.1%}  {k['name'][:90]}")
 
 
 def main(argv=None):
@@ -495,7 +537,9 @@ def main(argv=None):
         records=[],
     )
     try:
-        res["copy_tbs"] = args.copy_tbs or jnp_copy_tbs(args.quick)
+        copies = dict(jnp=jnp_copy_tbs(args.quick), **_PEER_COPY)
+        res["copy_tbs_by_library"] = copies
+        res["copy_tbs"] = args.copy_tbs or max(v for v in copies.values() if v is not None)
     except Exception:  # noqa: BLE001
         res["copy_tbs"] = float("nan")
         res["records"].append(_error("copy", {}))

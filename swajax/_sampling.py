@@ -73,14 +73,28 @@ def sample(
       i32[B] token ids.
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
 
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def drawn():
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        # The sort of the vocabulary runs only when top-k or top-p filters something.
+        filtering = (top_k > 0) | (top_p < 1.0)
+        masked = jax.lax.cond(filtering, lambda: _filter(scaled, top_k, top_p), lambda: scaled)
+        return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+
+    # Greedy steps (temperature 0) pay for one argmax, not for the sampling path.
+    return jax.lax.cond(temperature > 0.0, drawn, greedy)
+
+
+def _filter(scaled, top_k, top_p):
+    """scaled logits f[B, V] with the tokens outside top-k / top-p set to a finite -inf."""
+    vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
     rank = jnp.arange(vocab)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[None, None].repeat(logits.shape[0], 0), -1)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[None, None].repeat(scaled.shape[0], 0), -1)
     # top-p over the top-k survivors: a token stays while the mass before it is < p.
     sorted_probs = jax.nn.softmax(jnp.where(rank[None] < k, sorted_logits, _NEG), axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
@@ -88,6 +102,4 @@ def sample(
     # The smallest kept logit is the threshold; ties at the threshold are all kept.
     threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(threshold, kth)
-    masked = jnp.where(scaled >= threshold, scaled, _NEG)
-    drawn = jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0.0, drawn, greedy)
+    return jnp.where(scaled >= threshold, scaled, _NEG)
