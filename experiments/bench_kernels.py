@@ -197,13 +197,14 @@ def run_decode(records, args, quick):
                 sets += [(q, pool + 0, pt, lens) for _ in range(copies_for(pool.nbytes) - 1)]
             tunings = [{}]
             sweep = args.sweep and not quick and context == 32768 and window is None
+            # Ring shapes (block_kv x num_stages) were swept in v3 (NOTES.md); here split-K
+            # and the L2 prefetch distance.
             if sweep and batch == 128:
-                tunings += [dict(block_kv=bk, num_stages=st) for bk in (64, 128) for st in (2, 3)]
-                tunings += [dict(num_splits=s) for s in (1, 2, 4, 8)]
-            elif sweep:  # small batches: split-K and ring depth
-                tunings += [dict(num_splits=s) for s in (2, 3, 4, 6, 8, 12)]
-                tunings += [dict(num_splits=s, num_stages=st) for s in (3, 4) for st in (2, 3)]
-                tunings += [dict(num_splits=s, block_kv=128) for s in (2, 4)]
+                tunings += [dict(prefetch=p) for p in (1, 2, 4)]
+                tunings += [dict(num_splits=2, prefetch=p) for p in (0, 2)]
+            elif sweep:  # small batches
+                tunings += [dict(num_splits=s) for s in (2, 3, 4, 6, 8)]
+                tunings += [dict(num_splits=s, prefetch=p) for s in (2, 4, 8) for p in (1, 2)]
             best = None
             for tuning in tunings:
                 try:

@@ -284,6 +284,28 @@ DECODE_CASES = {
         {"num_splits": 2},
     ),
     "d512_g8_page64": ([70, 129], 8, 1, 512, 64, jnp.bfloat16, None, None, {}),
+    "d512_g4_prefetch2_window": (
+        [300, 129, 0],
+        8,
+        2,
+        512,
+        32,
+        jnp.bfloat16,
+        200,
+        None,
+        {"prefetch": 2},
+    ),
+    "d128_g8_prefetch1_split": (
+        [260, 3, 190],
+        8,
+        1,
+        128,
+        16,
+        jnp.bfloat16,
+        None,
+        None,
+        {"prefetch": 1, "num_splits": 2, "num_stages": 2},
+    ),
     "fp8_d128_g1_window": (
         [100, 33],
         2,
@@ -334,6 +356,8 @@ def test_decode_kernel(name, mode):
         (256, 16, 2, 64, jnp.float8_e4m3fn, 512, None),
         (512, 4, 2, 32, jnp.bfloat16, None, 2),
         (512, 8, 1, 32, jnp.float8_e4m3fn, None, None),
+        (512, 8, 2, 32, jnp.bfloat16, 1000, {"prefetch": 2}),
+        (256, 8, 4, 16, jnp.bfloat16, None, {"prefetch": 1, "num_splits": 3}),
     ],
 )
 def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
@@ -353,7 +377,8 @@ def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
         k_scale=0.5,
         v_scale=0.25,
     )
-    got = _pallas(case, decode=True, scale=d**-0.5, window=window, num_splits=splits)
+    tuning = splits if isinstance(splits, dict) else {"num_splits": splits}
+    got = _pallas(case, decode=True, scale=d**-0.5, window=window, **tuning)
     want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
     _check(got, want, jnp.bfloat16)
 
