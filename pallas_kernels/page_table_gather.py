@@ -67,8 +67,9 @@ from jax import lax
 from pallas_kernels import _checks
 from pallas_kernels._checks import BAD
 
-# The compiled kernel has not yet run on a GPU: "auto" takes the reference until it has.
-AUTO_USES_KERNEL = False
+# "auto" takes the kernel on a Hopper GPU: its compiled tests pass on the H200 and it beats
+# the reference (fresh 520 MB table: 145 vs 216 us; in place: a few MB written).
+AUTO_USES_KERNEL = True
 LANES = 128  # threads of the one warpgroup of a CUDA block; NB is padded to a multiple
 TILE_BLOCKS = (512, 256, 128)  # default tile: the largest that divides the padded NB
 MAX_UNROLL = 16  # scratch slots selected per tile by unrolled code; a loop beyond
@@ -366,7 +367,8 @@ def page_table_gather(
       base_table, kv_lens, scratch_range, scratch_slots, num_layers, page_size: see the module
         docstring.
       implementation: "reference" (pure jnp), "pallas" (Mosaic GPU kernel; GPU interpret mode
-        off a Hopper GPU) or "auto" (the reference for now: see AUTO_USES_KERNEL).
+        off a Hopper GPU) or "auto" (the kernel on a Hopper GPU when NB is a multiple of 128,
+        else the reference).
       out: optional i32[num_layers, B, 2, NB], the table this call updates: a table returned
         by an earlier `page_table_gather` of the same pool (any inputs), or all BAD. It is
         DONATED (do not use it afterwards; jit with it donated to update it in place): the
@@ -397,9 +399,7 @@ def page_table_gather(
     _check_int32(scratch_slots, "scratch_slots", tuple(scratch_slots.shape), "[batch, num_scratch]")
     if out is not None:
         _check_int32(out, "out", (num_layers, batch, 2, max_blocks), "[num_layers, batch, 2, NB]")
-    # "auto" stays on the reference until the compiled kernel has passed its GPU tests
-    # (`pytest -m gpu tests/test_page_table_gather.py`); flip AUTO_USES_KERNEL then. It would
-    # also keep NB-padded tables (a copy in and out of the kernel) on the reference.
+    # "auto": NB-padded tables (a copy in and out of the kernel) stay on the reference.
     use_pallas = implementation == "pallas" or (
         AUTO_USES_KERNEL
         and implementation == "auto"
