@@ -75,7 +75,15 @@ def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
 
 
 def _pick(
-    head_dim, page_size, pool_dtype, batch, num_kv_heads, max_blocks, tuning, p_in_smem=False
+    head_dim,
+    page_size,
+    pool_dtype,
+    batch,
+    num_kv_heads,
+    max_blocks,
+    tuning,
+    p_in_smem=False,
+    window=None,
 ):
     """Resolves the tuning knobs; raises ValueError for an unsupported configuration."""
     cdtype = pc.compute_dtype(pool_dtype)
@@ -108,7 +116,10 @@ def _pick(
         )
     num_splits = tuning.num_splits
     if num_splits is None:
-        steps = max(1, -(-max_blocks * page_size // block_kv))
+        context = max_blocks * page_size  # the longest a row can be; a window reads less
+        if window is not None:
+            context = min(context, window + 2 * max(block_kv, page_size))
+        steps = max(1, -(-context // block_kv))
         blocks = batch * num_kv_heads
         num_splits = max(1, min(steps // 4, -(-2 * NUM_SMS // blocks), 16))
     if num_splits < 1:
@@ -416,6 +427,7 @@ def _decode_jit(
         page_table.shape[2],
         DecodeTuning(block_kv, num_stages, num_splits, prefetch),
         pc.p_in_smem(interpret, head_dim),
+        window,
     )
     q_tiles = q.reshape(batch, num_kv_heads, group, head_dim).astype(cdtype)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [B, Hkv, 64, D]
