@@ -16,6 +16,18 @@ The work list (sequence, tile) is built with a few jnp ops; longest tiles run fi
 rows are stored with a ladder of power-of-two TMA boxes, so a tile never writes rows of another
 sequence; padding rows stay zero.
 
+Schedule of one warpgroup (all knobs in `PrefillTuning`). Its steps (BK keys each) fall into
+segments by what its valid rows see: `skip` (no row sees a key: the step only keeps the ring
+going), `masked` (window edge, diagonal, kv_len) and `free` (every row sees every key: no iota,
+compare or select per element); with `mask_split` off every step is masked. A step is
+  S = Q K^T (WGMMA) -> online softmax in float32 (log2 units) -> P (bf16/f16, registers or
+  SMEM) -> O = O * alpha + P V (WGMMA, accumulating into O in place when `pv_in_place`).
+With `pipeline` (FA3 intra-warpgroup overlap) step j first issues the WGMMA of S for step j + 1
+and runs the softmax of step j while the tensor cores compute it, so the next K must already be
+in the ring: it wants num_stages >= 2. Padding rows of a tile (outside the sequence) are not
+masked in free steps: their logits are finite or NaN, rows are independent through both
+WGMMAs and the softmax, and such rows are never stored.
+
 Axis names: T packed tokens, B sequences, Hq query heads, Hkv KV heads, G = Hq // Hkv, D
 head_dim, S page_size, BK block_kv.
 """
@@ -38,6 +50,8 @@ ROWS = pc.ROWS
 HEAD_DIMS = pc.HEAD_DIMS
 PAGE_SIZES = pc.PAGE_SIZES
 NUM_WGS = 2
+# diff (query position - key column) of a padding row in masked steps: below every key.
+_NO_ROW = -(2**30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +59,35 @@ class PrefillTuning:
     """Static knobs (None = chosen from the shapes).
 
     block_kv: keys per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
-    num_stages: SMEM ring depth.
+    num_stages: SMEM ring depth (default 1).
+    mask_split: per-element masks only in the steps that need one; steps no row of the
+        warpgroup sees skip the math (default True; False masks every step).
+    pipeline: issue the next step's S = Q K^T WGMMA before this step's softmax (default: on
+        when num_stages >= 2). fp8 pools dequantise K on the CUDA cores first: no overlap.
+    pv_in_place: P V accumulates into O in place (compiled; interpret mode adds a fresh
+        accumulator, its WGMMA has no run_state) instead of a fresh accumulator added to
+        O * alpha (default True).
+    p_smem: P goes to the P V WGMMA through SMEM instead of registers (default: head_dim >=
+        256; interpret mode always uses SMEM).
     """
 
     block_kv: int | None = None
     num_stages: int | None = None
+    mask_split: bool | None = None
+    pipeline: bool | None = None
+    pv_in_place: bool | None = None
+    p_smem: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    cdtype: jnp.dtype
+    block_kv: int
+    num_stages: int
+    mask_split: bool
+    pipeline: bool
+    pv_in_place: bool
+    p_smem: bool
 
 
 def _layout(head_dim):
@@ -66,7 +104,7 @@ def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
     return ring + q + p + deq + 2048
 
 
-def _pick(head_dim, page_size, pool_dtype, tuning, p_in_smem=False):
+def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     cdtype = pc.compute_dtype(pool_dtype)
     if cdtype is None:
         raise ValueError(
@@ -74,16 +112,31 @@ def _pick(head_dim, page_size, pool_dtype, tuning, p_in_smem=False):
         )
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64}[head_dim]
     pc.check_block_kv(block_kv, page_size)
-    # One stage (K of the next step loads during P V, V during the next Q K) measured best:
-    # 0.83 vs 0.88 ms at head_dim 128 and 1.76 vs 2.61 ms at 256 (8K tokens, H200).
+    # One stage (K of the next step loads during P V, V during the next Q K) measured best
+    # without `pipeline`: 0.83 vs 0.88 ms at head_dim 128 and 1.76 vs 2.61 ms at 256 (8K
+    # tokens, H200).
     num_stages = tuning.num_stages or 1
-    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem)
+    p_smem = pc.p_in_smem(interpret, head_dim) if tuning.p_smem is None else tuning.p_smem
+    p_smem = p_smem or interpret is not None  # the interpreter's WGMMA reads A from SMEM only
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(
             f"prefill kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
             f"block_kv={block_kv}, num_stages={num_stages}), more than {pc.SMEM_LIMIT}"
         )
-    return cdtype, block_kv, num_stages
+
+    def flag(value, default):
+        return bool(default if value is None else value)
+
+    return _Config(
+        cdtype=cdtype,
+        block_kv=block_kv,
+        num_stages=num_stages,
+        mask_split=flag(tuning.mask_split, True),
+        pipeline=flag(tuning.pipeline, num_stages >= 2),
+        pv_in_place=flag(tuning.pv_in_place, True),
+        p_smem=p_smem,
+    )
 
 
 def supports(q, pool, **tuning) -> bool:
@@ -110,9 +163,54 @@ def work_list(q_starts, rows_per_block, num_work):
     return jnp.stack([b.astype(jnp.int32), tile.astype(jnp.int32), (w < total).astype(jnp.int32)])
 
 
+def _issue_qk(s_ref, q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv):
+    """S = Q K^T into the zeroed accumulator s_ref: q_tile [64, D], k_tile [T, D] (SMEM).
+
+    bf16/f16: one WGMMA, left in flight (the caller's read of s_ref waits for it). fp8: each
+    64 x 128 chunk of K is dequantised to `deq` on the CUDA cores and waited for.
+    """
+    if not fp8:
+        plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
+        return
+    for r in range(block_kv // ROWS):
+        for c in range(head_dim // 128):
+            cols = pl.ds(c * 128, 128)
+            pc.dequant(k_tile.at[pl.ds(r * ROWS, ROWS), cols], deq, cdtype)
+            plgpu.wgmma(
+                s_ref.at[:, pl.ds(r * ROWS, ROWS)], q_tile.at[:, cols], deq.transpose((1, 0))
+            )
+            plgpu.wgmma_wait(0)
+
+
+def _issue_pv(o_ref, p, v_tile, deq, *, fp8, cdtype, col0, cols, block_kv, p_in_smem):
+    """o_ref += P V: p [64, T] (registers or SMEM), v_tile [T, D] (SMEM), O columns
+    [col0, col0 + cols)."""
+    if not fp8:
+        plgpu.wgmma(o_ref, p, v_tile.at[:, pl.ds(col0, cols)])
+        return
+    for r in range(block_kv // ROWS):
+        p_r = p.at[:, pl.ds(r * ROWS, ROWS)] if p_in_smem else p[:, r * ROWS : (r + 1) * ROWS]
+        for c in range(cols // 128):
+            dequant_src = v_tile.at[pl.ds(r * ROWS, ROWS), pl.ds(col0 + c * 128, 128)]
+            pc.dequant(dequant_src, deq, cdtype)
+            plgpu.wgmma(o_ref.at[:, pl.ds(c * 128, 128)], p_r, deq)
+            plgpu.wgmma_wait(0)
+
+
+def _softmax(s, valid, m_i, l_i):
+    """Online softmax over one block: s [64, T] (log2 units); valid [64, T] or None (every
+    entry visible: no select); m_i, l_i [64]. Returns (p, alpha, m_new, l_new)."""
+    if valid is None:
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
+    return pc.softmax_step(s, valid, m_i, l_i)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "window", "softcap", "block_kv", "num_stages", "interpret"),
+    static_argnames=("scale", "window", "softcap", "tuning", "interpret"),
 )
 def _prefill_jit(
     q,
@@ -126,8 +224,7 @@ def _prefill_jit(
     scale,
     window,
     softcap,
-    block_kv,
-    num_stages,
+    tuning,
     interpret,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
@@ -135,10 +232,10 @@ def _prefill_jit(
     batch, _, max_blocks = page_table.shape
     group = num_q_heads // num_kv_heads
     fp8 = _checks.is_fp8(pool.dtype)
-    p_in_smem = pc.p_in_smem(interpret, head_dim)
-    cdtype, BK, num_stages = _pick(
-        head_dim, page_size, pool.dtype, PrefillTuning(block_kv, num_stages), p_in_smem
-    )
+    cfg = _pick(head_dim, page_size, pool.dtype, tuning, interpret)
+    cdtype, BK, num_stages = cfg.cdtype, cfg.block_kv, cfg.num_stages
+    p_in_smem = cfg.p_smem
+    pv_in_place = cfg.pv_in_place and interpret is None  # the interpreter has no run_state
     row_wgs, col_wgs = _layout(head_dim)
     rows_per_block = ROWS * row_wgs
     dv = head_dim // col_wgs
@@ -175,8 +272,31 @@ def _prefill_jit(
         packed0 = q_start + cta_row + wg_row
         tile0 = jnp.minimum(packed0, t_rows - ROWS)  # keep the box inside [0, T)
         shift = packed0 - tile0
-        pos0 = pos_first + wg_row
+        pos0 = pos_first + wg_row  # position of this warpgroup's first valid row
         qk_scale = scale * pc.LOG2E * scales_ref[0]
+
+        # Segments of the local steps [0, n) (absolute step = first + local) for this
+        # warpgroup's valid rows at positions [pos0, pos0 + nv):
+        #   skip [0, e0) | masked [e0, e1) | free [e1, e2) | masked [e2, e3) | skip [e3, n).
+        # A step is free when its last key is <= pos0 and (window) its first key is inside
+        # the last row's window; skipped when its keys are all before the first row's window
+        # or all after the last row.
+        def local(abs_step, lower):
+            return jnp.clip(abs_step - first, lower, n)
+
+        if cfg.mask_split:
+            if window is None:
+                vis_lo = free_lo = jnp.int32(0)
+            else:
+                vis_lo = jnp.maximum(pos0 - window + 1, 0) // BK
+                free_lo = (jnp.maximum(pos0 + nv - window, 0) + BK - 1) // BK
+            e0 = jnp.where(nv > 0, local(vis_lo, 0), n)  # no valid row: all skipped
+            e1 = local(free_lo, e0)
+            e2 = local((pos0 + 1) // BK, e1)
+            e3 = local((pos0 + nv + BK - 1) // BK, e2)
+        else:
+            e0 = e1 = e2 = jnp.int32(0)
+            e3 = n
 
         def leader(fn):
             pl.when(wg == 0)(fn)
@@ -218,7 +338,9 @@ def _prefill_jit(
                     q_tile.at[:, cols][...] = plgpu.load(
                         raw, layout=plgpu.Layout.WGMMA, optimized=False
                     )
-                plgpu.commit_smem()
+                    # Every thread has read `raw` (and written its Q chunk) before the next
+                    # chunk's TMA overwrites it.
+                    plgpu.commit_smem()
 
             # Pages start streaming before Q is re-laid out.
             leader(lambda: pc.ring_prologue(issue, first, n, num_stages))
@@ -230,11 +352,6 @@ def _prefill_jit(
             if row_wgs == 1:
                 plgpu.barrier_arrive(q_ready)
                 plgpu.barrier_wait(q_ready)  # the leader's re-laid-out Q is visible to both
-            rr = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 0, layout=plgpu.Layout.WGMMA)
-            kk = plgpu.broadcasted_iota(jnp.int32, (ROWS, BK), 1, layout=plgpu.Layout.WGMMA)
-            qpos = pos0 - shift + rr
-            row_ok = (rr >= shift) & (rr < shift + nv)
-
             refill = functools.partial(
                 pc.ring_refill,
                 issue,
@@ -244,12 +361,9 @@ def _prefill_jit(
                 multi_wg=True,
             )
 
-            def step(j, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(j, num_stages)
-                j_abs = first + j
-                plgpu.barrier_wait(k_bar.at[slot])
-                s = pc.qk_block(
+            def scores(s_ref, slot):
+                _issue_qk(
+                    s_ref,
                     q_tile,
                     k_ring.at[slot],
                     k_deq,
@@ -258,19 +372,47 @@ def _prefill_jit(
                     head_dim=head_dim,
                     block_kv=BK,
                 )
-                refill(k_done, 0, j=j, step=j_abs, slot=slot)
+
+            def sync_scores(j):
+                """S of local step j, waited for; releases its K slot."""
+                slot = lax.rem(j, num_stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def run(s_ref):
+                    scores(s_ref, slot)
+                    return s_ref[...]
+
+                s = pl.run_scoped(run, plgpu.ACC((ROWS, BK), jnp.float32))
+                refill(k_done, 0, j=j, step=first + j, slot=slot)
+                return s
+
+            def softmax_pv(j, s, acc, m_i, l_i, masked):
+                """Softmax of local step j's raw S, then O = O * alpha + P V; releases V."""
+                slot = lax.rem(j, num_stages)
                 s = pc.softcap_logits(s * qk_scale, softcap)
-                kpos = j_abs * BK + kk
-                valid = row_ok & (kpos <= qpos)
-                if window is not None:
-                    valid &= qpos - kpos < window
-                p, alpha, m_i, l_i = pc.softmax_step(s, valid, m_i, l_i)
+                valid = None
+                if masked:
+                    # diff = query position - key position + c (padding rows: below every
+                    # key): key c + k is visible to row r iff 0 <= diff - c < window. Built
+                    # here, not hoisted, so free steps do not hold it in registers.
+                    c = (first + j) * BK
+                    shape = (ROWS, BK)
+                    rr = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    kk = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    row_ok = (rr >= shift) & (rr < shift + nv)
+                    diff = jnp.where(row_ok, pos0 - shift + rr - kk, _NO_ROW)
+                    valid = diff >= c
+                    if window is not None:
+                        valid &= diff < c + window
+                p, alpha, m_i, l_i = _softmax(s, valid, m_i, l_i)
                 p_op = pc.stage_p(p, p_tile, cdtype)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 plgpu.barrier_wait(v_bar.at[slot])
-                pv = pc.pv_block(
-                    p_op,
-                    v_ring.at[slot],
-                    v_deq,
+                pv = functools.partial(
+                    _issue_pv,
+                    p=p_op,
+                    v_tile=v_ring.at[slot],
+                    deq=v_deq,
                     fp8=fp8,
                     cdtype=cdtype,
                     col0=col0,
@@ -278,11 +420,76 @@ def _prefill_jit(
                     block_kv=BK,
                     p_in_smem=p_in_smem,
                 )
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-                refill(v_done, 1, j=j, step=j_abs, slot=slot)
+
+                def accumulate(o_ref):
+                    if pv_in_place:
+                        o_ref[...] = acc  # O * alpha becomes the WGMMA accumulator
+                    pv(o_ref)
+                    return o_ref[...]
+
+                pv_out = pl.run_scoped(accumulate, plgpu.ACC((ROWS, dv), jnp.float32))
+                acc = pv_out if pv_in_place else acc + pv_out
+                refill(v_done, 1, j=j, step=first + j, slot=slot)
                 return acc, m_i, l_i
 
-            return lax.fori_loop(0, n, step, pc.init_stats(dv))
+            def skip_step(j, carry):
+                """No row sees this step's keys: only wait for and release its ring slot."""
+                slot = lax.rem(j, num_stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                refill(k_done, 0, j=j, step=first + j, slot=slot)
+                plgpu.barrier_wait(v_bar.at[slot])
+                refill(v_done, 1, j=j, step=first + j, slot=slot)
+                return carry
+
+            def step(j, carry, masked):
+                acc, m_i, l_i = carry
+                return softmax_pv(j, sync_scores(j), acc, m_i, l_i, masked)
+
+            def piped_step(j, carry, masked):
+                """Issues S of step j + 1, then the softmax and P V of step j (S carried)."""
+                acc, m_i, l_i, s = carry
+                nslot = lax.rem(j + 1, num_stages)
+                plgpu.barrier_wait(k_bar.at[nslot])
+
+                def run(s_ref):
+                    scores(s_ref, nslot)  # in flight during the softmax below
+                    out = softmax_pv(j, s, acc, m_i, l_i, masked)
+                    return *out, s_ref[...]
+
+                carry = pl.run_scoped(run, plgpu.ACC((ROWS, BK), jnp.float32))
+                refill(k_done, 0, j=j + 1, step=first + j + 1, slot=nslot)
+                return carry
+
+            def loop(lo_, hi_, fn, carry, **kw):
+                return lax.fori_loop(lo_, hi_, functools.partial(fn, **kw), carry)
+
+            stats = pc.init_stats(dv)
+            if not cfg.pipeline:
+                loop(0, e0, skip_step, ())
+                stats = loop(e0, e1, step, stats, masked=True)
+                stats = loop(e1, e2, step, stats, masked=False)
+                stats = loop(e2, e3, step, stats, masked=True)
+                loop(e3, n, skip_step, ())
+                return stats
+
+            def piped(stats):
+                # Active steps [a0, a3), never empty: S of a0 first, the last step alone.
+                a0 = jnp.minimum(e0, n - 1)
+                a3 = jnp.maximum(e3, a0 + 1)
+                last = a3 - 1
+                b1 = jnp.clip(e1, a0, last)
+                b2 = jnp.clip(e2, b1, last)
+                loop(0, a0, skip_step, ())
+                carry = (*stats, sync_scores(a0))
+                carry = loop(a0, b1, piped_step, carry, masked=True)
+                carry = loop(b1, b2, piped_step, carry, masked=False)
+                carry = loop(b2, last, piped_step, carry, masked=True)
+                acc, m_i, l_i, s = carry
+                stats = softmax_pv(last, s, acc, m_i, l_i, masked=True)
+                loop(a3, n, skip_step, ())
+                return stats
+
+            return lax.cond(n > 0, piped, lambda stats: stats, stats)
 
         item = jnp.dtype(pool.dtype)
         pages = pc.pages_per_step(BK, page_size)
@@ -362,10 +569,13 @@ def ragged_paged_attention_pallas(
     softcap=None,
     k_scale=None,
     v_scale=None,
-    block_kv=None,
-    num_stages=None,
+    **tuning,
 ):
-    """Mosaic GPU ragged paged attention (validated inputs; see `paged_attention.py`)."""
+    """Mosaic GPU ragged paged attention (validated inputs; see `paged_attention.py`).
+
+    tuning: the `PrefillTuning` knobs (block_kv, num_stages, mask_split, pipeline,
+    pv_in_place, p_smem).
+    """
     _, page_size, _, head_dim = pool.shape
     pc.check_shape("prefill", head_dim, page_size)
     ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
@@ -380,7 +590,6 @@ def ragged_paged_attention_pallas(
         scale=float(scale),
         window=window,
         softcap=None if softcap is None else float(softcap),
-        block_kv=block_kv,
-        num_stages=num_stages,
+        tuning=PrefillTuning(**tuning),
         interpret=_checks.interpret_params(),
     )

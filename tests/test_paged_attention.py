@@ -430,6 +430,178 @@ def test_prefill_kernel(name, mode):
     assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
 
 
+# Prefill schedule knobs (`PrefillTuning`): tiles whose warpgroups see mask-free steps
+# (history longer than the tile), window edges, steps no row of a warpgroup sees (diagonal
+# half of a 128-row tile at block_kv 64, window start, a warpgroup without valid rows) and
+# the pipelined loop (next S issued before the softmax) with 1 to 3 ring stages.
+PREFILL_KNOB_CASES = {
+    # name: (q_lens, kv_lens, T, Hq, Hkv, D, page_size, pool dtype, window, softcap, tuning)
+    "d128_ps16_pipe2": (
+        [150, 0, 1, 3],
+        [300, 5, 70, 3],
+        160,
+        2,
+        1,
+        128,
+        16,
+        jnp.bfloat16,
+        None,
+        None,
+        dict(block_kv=64, num_stages=2, pipeline=True),
+    ),
+    "d128_ps32_window_softcap_pipe3": (
+        [100, 40],
+        [400, 40],
+        150,
+        2,
+        1,
+        128,
+        32,
+        jnp.bfloat16,
+        300,
+        20.0,
+        dict(block_kv=64, num_stages=3),
+    ),
+    "d128_ps64_window_nosplit_pipe": (
+        [100, 40],
+        [400, 40],
+        150,
+        2,
+        2,
+        128,
+        64,
+        jnp.bfloat16,
+        300,
+        None,
+        dict(block_kv=128, num_stages=2, mask_split=False, pv_in_place=False),
+    ),
+    "d128_ps64_small_window_split": (
+        [130, 9],
+        [130, 200],
+        140,
+        2,
+        1,
+        128,
+        64,
+        jnp.bfloat16,
+        40,
+        None,
+        dict(block_kv=64, pipeline=False, p_smem=False),
+    ),
+    "d256_ps64_window_softcap_pipe2": (
+        [90, 2],
+        [260, 2],
+        100,
+        2,
+        1,
+        256,
+        64,
+        jnp.bfloat16,
+        200,
+        30.0,
+        dict(block_kv=64, num_stages=2),
+    ),
+    "d512_ps32_pipe1": (
+        [70, 1],
+        [200, 33],
+        72,
+        2,
+        1,
+        512,
+        32,
+        jnp.bfloat16,
+        None,
+        None,
+        dict(pipeline=True),
+    ),
+    "fp8_d128_ps16_window_pipe2": (
+        [80, 1],
+        [300, 100],
+        90,
+        2,
+        1,
+        128,
+        16,
+        jnp.float8_e4m3fn,
+        250,
+        None,
+        dict(block_kv=128, num_stages=2),
+    ),
+    "fp8_d256_ps32_nopipe": (
+        [70],
+        [200],
+        70,
+        2,
+        2,
+        256,
+        32,
+        jnp.float8_e4m3fn,
+        None,
+        None,
+        dict(block_kv=64, mask_split=True, pipeline=False, num_stages=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(PREFILL_KNOB_CASES))
+def test_prefill_kernel_knobs(name, mode):
+    q_lens, kv_lens, t, hq, hkv, d, ps, dtype, window, softcap, tuning = PREFILL_KNOB_CASES[name]
+    fp8 = dtype == jnp.float8_e4m3fn
+    case = _testing.make_case(
+        30 + sorted(PREFILL_KNOB_CASES).index(name),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=ps,
+        pool_dtype=dtype,
+        window=window,
+        num_tokens=t,
+        k_scale=0.3 if fp8 else 1.0,
+        v_scale=0.5 if fp8 else 1.0,
+        row_fill=100.0,
+    )
+    with _mode_ctx(mode):
+        got = _pallas(case, decode=False, scale=d**-0.5, window=window, softcap=softcap, **tuning)
+    want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap)
+    _check(got, want, jnp.bfloat16)
+    assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
+
+
+def test_prefill_knobs_lower_for_gpu():
+    """Every schedule knob lowers to a Mosaic GPU module for the compiled target (no GPU
+    needed), including the in-place P V accumulation that interpret mode cannot run."""
+
+    def lower(d, dtype, **tuning):
+        sds = jax.ShapeDtypeStruct
+        args = (
+            sds((256, 4, d), jnp.bfloat16),
+            sds((40, 32, 2, d), dtype),
+            sds((2, 2, 16), jnp.int32),
+            sds((3,), jnp.int32),
+            sds((2,), jnp.int32),
+        )
+
+        def f(*a):
+            return ragged_paged_attention(
+                *a, scale=0.1, window=100, softcap=20.0, implementation="pallas", **tuning
+            )
+
+        with _checks.force_compiled():
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for d, dtype, tuning in [
+        (128, jnp.bfloat16, dict(num_stages=2, p_smem=False)),
+        (128, jnp.bfloat16, dict(mask_split=False, pipeline=False, pv_in_place=False)),
+        (256, jnp.bfloat16, dict(block_kv=64, num_stages=2, p_smem=True)),
+        (512, jnp.bfloat16, dict(pipeline=True)),
+        (128, jnp.float8_e4m3fn, dict(num_stages=2)),
+    ]:
+        assert "mosaic_gpu" in lower(d, dtype, **tuning), (d, dtype, tuning)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "d,hq,hkv,ps,dtype,window",
