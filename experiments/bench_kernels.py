@@ -203,8 +203,9 @@ def run_decode(records, args, quick):
                 tunings += [dict(prefetch=p) for p in (1, 2, 4)]
                 tunings += [dict(num_splits=2, prefetch=p) for p in (0, 2)]
             elif sweep:  # small batches
-                tunings += [dict(num_splits=s) for s in (2, 3, 4, 6, 8)]
-                tunings += [dict(num_splits=s, prefetch=p) for s in (2, 4, 8) for p in (1, 2)]
+                tunings += [dict(num_splits=s) for s in (2, 4, 8)]
+                tunings += [dict(num_splits=s, prefetch=2) for s in (2, 4, 8)]
+                tunings += [dict(num_splits=4, prefetch=1)]
             best = None
             for tuning in tunings:
                 try:
@@ -302,6 +303,33 @@ def run_builtin(records, q, pool, pt, lens, shape, nbytes):
 
 
 # %% prefill
+# The kernel before the mask split / in-place P V (v4 in NOTES.md), then the knobs of
+# `_prefill_kernel.PrefillTuning` that fit in SMEM at each head_dim.
+_V4 = dict(mask_split=False, pv_in_place=False, pipeline=False)
+PREFILL_SWEEP = {
+    128: [
+        dict(block_kv=128, num_stages=1, **_V4),
+        *[
+            dict(block_kv=bk, num_stages=st, pipeline=pp)
+            for bk, st in ((128, 1), (128, 2), (64, 2), (64, 3))
+            for pp in ((False, True) if st > 1 else (False,))
+        ],
+        dict(block_kv=128, num_stages=2, pipeline=True, p_smem=True),
+    ],
+    256: [
+        dict(block_kv=64, num_stages=1, **_V4),
+        *[
+            dict(block_kv=64, num_stages=st, pipeline=pp, p_smem=sm)
+            for st in (1, 2)
+            for pp in ((False, True) if st > 1 else (False,))
+            for sm in (False, True)
+        ],
+        dict(block_kv=128, num_stages=1, p_smem=False),
+    ],
+    512: [dict(**_V4), dict(p_smem=False), dict(pipeline=True), dict(pipeline=True, p_smem=False)],
+}
+
+
 def run_prefill(records, args, quick):
     """One 8K-token causal chunk (empty history) through the paged kernel vs dense cuDNN."""
     ps = 64
@@ -362,7 +390,7 @@ def run_prefill(records, args, quick):
             lens = jnp.array([tokens], jnp.int32)
             tunings = [{}]
             if args.sweep and not quick:
-                tunings += [dict(block_kv=bk, num_stages=st) for bk in (64, 128) for st in (1, 2)]
+                tunings += PREFILL_SWEEP[d]
             best = None
             for tuning in tunings:
                 try:
