@@ -19,10 +19,11 @@ changes). tbs = bytes written / time; `bytes_table` is the full materialisation
 L * B * 2 * NB * 4 per pool, `bytes_written` what the variant writes (in place: the changed
 tiles), `bytes_read` the base tables (+ the layer-0 K slice of `out` in place).
 
-Decode (`model_decode_records`): `swajax._engine._step` with decode=True, the state donated, on
-Gemma 3 4B with random bf16 weights, batch 64, every row at 8K context, bf16 KV, page 32. The
-state is built directly (reserve + advance to 8191 tokens of history, pools filled with random
-values; no prefill). floor_ms = (weight bytes + KV bytes read) / copy bandwidth.
+Decode (`model_decode_records`): the engine's jitted step (`swajax._engine.step_function`,
+decode, state and tables donated) on Gemma 3 4B with random bf16 weights, batch 64, every row
+at 8K context, bf16 KV, page 32. The state is built directly (reserve + advance to 8191 tokens
+of history, pools filled with random values; no prefill). floor_ms = (weight bytes + KV bytes
+read) / copy bandwidth.
 
 Timing: warm-up, then the median over `reps` of the mean time of `iters` back-to-back calls,
 blocked at the end.
@@ -372,7 +373,7 @@ def model_decode_records(
     """One decode step of the paged Gemma 3 4B forward (see the module docstring)."""
     from flax import nnx
 
-    from swajax._engine import _bucket, _step
+    from swajax._engine import _bucket, step_function
     from swajax._sampling import SamplingParams
 
     records = []
@@ -423,16 +424,14 @@ def model_decode_records(
     box = call = None
     for impl in impls:
         try:
-            step = jax.jit(
-                _step,
-                static_argnames=("graphdef", "layout", "decode", "implementation"),
-                donate_argnums=(1,),
-            )
-            box = [decode_state(layout, context - 1, jax.random.key(1))]
+            # The engine's step: statics bound once, state and tables donated; each call
+            # updates the previous step's page tables in place (as `Engine.run` does).
+            step = step_function(graphdef, layout, decode=True, implementation=impl, logits=False)
+            box = [decode_state(layout, context - 1, jax.random.key(1)), None]
             count = [0]
 
-            def call(step=step, box=box, count=count, impl=impl):
-                box[0], next_tokens, ok, *_ = step(
+            def call(step=step, box=box, count=count):
+                box[0], next_tokens, ok, _, _, box[1] = step(
                     params,
                     box[0],
                     tokens,
@@ -440,10 +439,7 @@ def model_decode_records(
                     finished,
                     jax.random.key(count[0]),
                     sampling,
-                    graphdef=graphdef,
-                    layout=layout,
-                    decode=True,
-                    implementation=impl,
+                    box[1],
                 )
                 count[0] += 1
                 return next_tokens, ok

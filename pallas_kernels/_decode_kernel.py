@@ -89,6 +89,8 @@ def _pick(
     cdtype = pc.compute_dtype(pool_dtype)
     if cdtype is None:
         raise ValueError("the Pallas decode kernel needs a bf16, f16 or fp8 pool, got float32")
+    if _checks.is_fp8(pool_dtype) and head_dim < 128:  # dequantised in 64 x 128 chunks
+        raise ValueError(f"fp8 pools need head_dim >= 128 in the Pallas kernels, got {head_dim}")
     block_kv = tuning.block_kv
     if block_kv is None:
         block_kv = {64: 128, 128: 64, 256: 64, 512: 64}[head_dim]

@@ -97,8 +97,11 @@ def issue_pages(
             rows = pl.ds(pl.multiple_of(tok0 % page_size, block_kv), copy_rows)
         blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
         page = jnp.maximum(pt_ref[b, role, blk], 0)
-        if prefetch:
-            plgpu.async_prefetch(pool_ref.at[page, rows, kv_head, :])
+        if prefetch:  # TMA boxes span at most 256 elements per dimension
+            head_dim = pool_ref.shape[-1]
+            for c in range(0, head_dim, min(head_dim, 256)):
+                cols = pl.ds(c, min(head_dim, 256))
+                plgpu.async_prefetch(pool_ref.at[page, rows, kv_head, cols])
             continue
         plgpu.copy_gmem_to_smem(
             pool_ref.at[page, rows, kv_head, :],

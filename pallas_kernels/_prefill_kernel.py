@@ -110,14 +110,20 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
         raise ValueError(
             f"the Pallas prefill kernel needs a bf16, f16 or fp8 pool, got {pool_dtype}"
         )
+    if _checks.is_fp8(pool_dtype) and head_dim < 128:  # dequantised in 64 x 128 chunks
+        raise ValueError(f"fp8 pools need head_dim >= 128 in the Pallas kernels, got {head_dim}")
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64}[head_dim]
     pc.check_block_kv(block_kv, page_size)
-    # One stage (K of the next step loads during P V, V during the next Q K) measured best
-    # without `pipeline`: 0.83 vs 0.88 ms at head_dim 128 and 1.76 vs 2.61 ms at 256 (8K
-    # tokens, H200).
-    num_stages = tuning.num_stages or 1
-    p_smem = pc.p_in_smem(interpret, head_dim) if tuning.p_smem is None else tuning.p_smem
+    # Measured on the H200 (8K tokens causal, `experiments/results/kernels_h200.json`): P in
+    # registers at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage
+    # at head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
+    # vs 475 with one); head_dim 512 fits one stage only.
+    p_smem = False if tuning.p_smem is None else tuning.p_smem
     p_smem = p_smem or interpret is not None  # the interpreter's WGMMA reads A from SMEM only
+    num_stages = tuning.num_stages
+    if num_stages is None:
+        two_fit = _smem_bytes(head_dim, block_kv, 2, pool_dtype, cdtype, p_smem) <= pc.SMEM_LIMIT
+        num_stages = 2 if head_dim == 256 and two_fit else 1
     need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -117,11 +118,22 @@ def _traced_step(*args, **kwargs):
     return _step(*args, **kwargs)
 
 
-_STEP = jax.jit(
-    _traced_step,
-    static_argnames=("graphdef", "layout", "decode", "implementation", "return_logits"),
-    donate_argnums=(1, 7),
-)
+@functools.lru_cache(maxsize=64)
+def step_function(graphdef, layout: KVLayout, *, decode: bool, implementation: str, logits: bool):
+    """The jitted step with its static arguments bound (state and tables donated).
+
+    Bound once per engine and mode: hashing a model's GraphDef costs about 2 ms (Gemma 3
+    4B), which a jit call with static arguments would pay at every decode step.
+    """
+    bound = functools.partial(
+        _traced_step,
+        graphdef=graphdef,
+        layout=layout,
+        decode=decode,
+        implementation=implementation,
+        return_logits=logits,
+    )
+    return jax.jit(bound, donate_argnums=(1, 7))
 
 
 @dataclasses.dataclass
@@ -253,6 +265,7 @@ class Engine:
         self.implementation = implementation
         self.min_prefill_bucket = min_prefill_bucket
         self.graphdef, self.params = nnx.split(model)
+        self._steps: dict[tuple[bool, bool], Callable] = {}
         self.state = init_state(self.layout)
         # The previous step's page tables, updated in place by the gather (per_layer mode).
         self.tables = (
@@ -313,7 +326,7 @@ class Engine:
     def lower_step(self, num_tokens: int, *, decode: bool):
         """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
         b = self.layout.max_batch
-        return _STEP.lower(
+        return self._step_function(decode, False).lower(
             self.params,
             self.state,
             jnp.zeros((num_tokens,), jnp.int32),
@@ -322,11 +335,19 @@ class Engine:
             jax.random.key(0),
             SamplingParams().as_arrays(),
             self.tables,
-            graphdef=self.graphdef,
-            layout=self.layout,
-            decode=decode,
-            implementation=self.implementation,
         )
+
+    def _step_function(self, decode: bool, logits: bool):
+        key = (decode, logits)
+        if key not in self._steps:
+            self._steps[key] = step_function(
+                self.graphdef,
+                self.layout,
+                decode=decode,
+                implementation=self.implementation,
+                logits=logits,
+            )
+        return self._steps[key]
 
     def _plan_prefixes(self, requests: list[_Request]) -> None:
         """Sets each request's `reuse` (a shared block-aligned prefix) and `park_at`."""
@@ -484,7 +505,8 @@ class Engine:
             tokens = np.zeros(size, np.int32)
             tokens[: len(flat)] = flat
             key = jax.random.fold_in(base_key, stats.steps)
-            self.state, next_tokens, ok, logits, free, tables = _STEP(
+            step = self._step_function(decode, collect_logits)
+            self.state, next_tokens, ok, logits, free, tables = step(
                 self.params,
                 self.state,
                 jnp.asarray(tokens),
@@ -493,11 +515,6 @@ class Engine:
                 key,
                 sampling_arrays,
                 self.tables,
-                graphdef=self.graphdef,
-                layout=layout,
-                decode=decode,
-                implementation=self.implementation,
-                return_logits=collect_logits,
             )
             if self.tables is not None:
                 self.tables = tables
