@@ -124,8 +124,12 @@ def run_engine(
     )
     if poison:
         # Every page starts as NaN: a read of a page nobody wrote this run poisons the logits.
+        # The Pallas kernels read whole pages and need finite values in the rows they mask
+        # (their contract; pools start zeroed and reused pages hold old finite K/V), so they
+        # get large finite garbage instead: an unmasked read of it still wrecks the logits.
+        fill = jnp.nan if implementation == "reference" else 300.0
         engine.state = dataclasses.replace(
-            engine.state, pools=tuple(jnp.full_like(p, jnp.nan) for p in engine.state.pools)
+            engine.state, pools=tuple(jnp.full_like(p, fill) for p in engine.state.pools)
         )
     outputs, stats = engine.run(prompts, max_new, collect_logits=collect)
     return engine, outputs, stats
