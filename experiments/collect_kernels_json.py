@@ -15,10 +15,17 @@ import pathlib
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 # (file, kernel names taken from it): the newest run measuring each family with current defaults.
+# v5 prefill: best of the knob sweep, which is the kernel's default configuration at each
+# head_dim (the defaults were set from this sweep). decode / decode_window: v4 (the decode
+# kernel's defaults have not changed since; the v5 decode sweep is kept in its own file).
+# gather_step and model_decode come from `bench_model.py` (kernel times from profiler traces).
 SOURCES = [
-    ("kernels_h200_v4.json", ("decode", "decode_window", "prefill", "prefill_dense_cudnn")),
+    ("kernels_h200_v4.json", ("decode", "decode_window")),
+    ("kernels_h200_v5_prefill_sweep.json", ("prefill", "prefill_dense_cudnn")),
     ("kernels_h200_v1_with_builtin.json", ("builtin_paged_decode",)),
     ("kernels_h200_v3_sweep.json", ("kv_write", "kv_write_xla_scatter")),
+    ("model_h200_v1_gather.json", ("gather_step",)),
+    ("model_h200_v2_decode.json", ("model_decode",)),
 ]
 
 
@@ -30,12 +37,18 @@ def main():
             out.update(device=run["device"], jax_version=run["jax_version"])
             out["copy_tbs"] = run["copy_tbs"]
             out["copy_tbs_by_library"] = run["copy_tbs_by_library"]
-        out["sources"][name] = {"argv": run.get("argv"), "kernels": list(kernels)}
+        out["sources"][name] = {
+            "argv": run.get("argv"),
+            "kernels": list(kernels),
+            "copy_tbs": run.get("copy_tbs"),
+        }
         for record in run["records"]:
             if record["kernel"] in kernels:
                 out["records"].append({**record, "source": name})
     (RESULTS / "kernels_h200.json").write_text(json.dumps(out, indent=1))
     for r in out["records"]:
+        if r.get("kernel", "").endswith("_try"):
+            continue
         rate = r.get("tbs", r.get("tflops"))
         unit = "TB/s" if "tbs" in r else "TFLOP/s"
         print(
