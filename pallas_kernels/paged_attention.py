@@ -16,7 +16,11 @@ The Pallas kernels never read a BAD page, a block past kv_lens or a block wholly
 window; they read whole pages, so the rows of a read page that no query sees (past kv_lens,
 before the window) must hold finite values, as rows written by `kv_write` or a zero-initialised
 pool do. "auto" uses the reference where the kernel does not support the configuration
-(float32 pools, other head_dims or page sizes).
+(float32 pools, other head_dims or page sizes). Precision: the kernels round the queries and
+the softmax weights P to the KV compute dtype (bf16 or f16; f16 for fp8 pools) for WGMMA and
+accumulate in float32, as FlashAttention does; the reference computes in float32 throughout.
+With unit-norm q and k at attention scale 1 (Gemma 4) the rounding of q dominates the
+difference between the two.
 """
 
 from __future__ import annotations
