@@ -59,7 +59,7 @@ class PrefillTuning:
     """Static knobs (None = chosen from the shapes).
 
     block_kv: keys per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
-    num_stages: SMEM ring depth (default 1).
+    num_stages: SMEM ring depth (default 2 at head_dim 256 when it fits, else 1).
     mask_split: per-element masks only in the steps that need one; steps no row of the
         warpgroup sees skip the math (default True; False masks every step).
     pipeline: issue the next step's S = Q K^T WGMMA before this step's softmax (default: on
@@ -67,8 +67,9 @@ class PrefillTuning:
     pv_in_place: P V accumulates into O in place (compiled; interpret mode adds a fresh
         accumulator, its WGMMA has no run_state) instead of a fresh accumulator added to
         O * alpha (default True).
-    p_smem: P goes to the P V WGMMA through SMEM instead of registers (default: head_dim >=
-        256; interpret mode always uses SMEM).
+    p_smem: P goes to the P V WGMMA through SMEM instead of registers (default False;
+        interpret mode always uses SMEM).
+    The defaults are the fastest of the H200 sweep in `experiments/NOTES.md` (v5).
     """
 
     block_kv: int | None = None
