@@ -5,9 +5,11 @@ reads the trace back with `jax.profiler.ProfileData` and sums the GPU kernels by
 clock timing of a Python loop measures dispatch when the device work is shorter than the
 launch (a few tens of microseconds); these times are the kernels' own.
 
-Returns dict(kernels={name: dict(total_us, count)}, busy_us, span_us, iters, lines) per call:
-`busy_us` is the summed kernel time per call, `span_us` the first-start to last-end time per
-call (kernel gaps included). Empty `kernels` on a machine without a GPU plane (CPU).
+Returns dict(kernels={name: dict(total_us, count)}, busy_us, span_us, iters, lines): the
+per-kernel totals cover all `iters` calls; `busy_us` is the time per call during which some
+kernel ran (the union of their intervals, so overlapping kernels count once) and `span_us` the
+first-start to last-end time per call (kernel gaps included). Empty `kernels` on a machine
+without a GPU plane (CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ def _gpu_kernel_lines(plane):
     """The stream lines of a GPU plane (kernels and memcpys), not the XLA op summaries."""
     lines = [ln for ln in plane.lines if ln.name.startswith("Stream")]
     return lines or [ln for ln in plane.lines if "XLA" not in ln.name]
+
+
+def _union_ns(starts, ends) -> float:
+    """Length of the union of the intervals [start, end): overlapping kernels count once."""
+    total, reach = 0.0, None
+    for s, e in sorted(zip(starts, ends, strict=True)):
+        if reach is None or s >= reach:
+            total += e - s
+            reach = e
+        elif e > reach:
+            total += e - reach
+            reach = e
+    return total
 
 
 def device_kernel_times(call, iters: int = 10) -> dict:
@@ -52,7 +67,7 @@ def device_kernel_times(call, iters: int = 10) -> dict:
                     k["count"] += 1
                     starts.append(ev.start_ns)
                     ends.append(ev.end_ns)
-    busy = sum(k["total_us"] for k in kernels.values()) / iters
+    busy = _union_ns(starts, ends) / 1e3 / iters
     span = (max(ends) - min(starts)) / 1e3 / iters if starts else 0.0
     return dict(kernels=kernels, busy_us=busy, span_us=span, iters=iters, lines=names)
 

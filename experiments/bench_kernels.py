@@ -305,7 +305,7 @@ def run_builtin(records, q, pool, pt, lens, shape, nbytes):
 # %% prefill
 # The kernel before the mask split / in-place P V (v4 in NOTES.md), then the knobs of
 # `_prefill_kernel.PrefillTuning` that fit in SMEM at each head_dim.
-_V4 = dict(mask_split=False, pv_in_place=False, pipeline=False)
+_V4 = dict(mask_split=False, pv_in_place=False, pipeline=False)  # + P via SMEM at D >= 256
 PREFILL_SWEEP = {
     128: [
         dict(block_kv=128, num_stages=1, **_V4),
@@ -317,7 +317,7 @@ PREFILL_SWEEP = {
         dict(block_kv=128, num_stages=2, pipeline=True, p_smem=True),
     ],
     256: [
-        dict(block_kv=64, num_stages=1, **_V4),
+        dict(block_kv=64, num_stages=1, p_smem=True, **_V4),
         *[
             dict(block_kv=64, num_stages=st, pipeline=pp, p_smem=sm)
             for st in (1, 2)
@@ -326,7 +326,12 @@ PREFILL_SWEEP = {
         ],
         dict(block_kv=128, num_stages=1, p_smem=False),
     ],
-    512: [dict(**_V4), dict(p_smem=False), dict(pipeline=True), dict(pipeline=True, p_smem=False)],
+    512: [
+        dict(p_smem=True, **_V4),
+        dict(p_smem=False),
+        dict(pipeline=True),
+        dict(pipeline=True, p_smem=False),
+    ],
 }
 
 
@@ -504,7 +509,7 @@ def main():
     p.add_argument("--out", default="experiments/results/kernels_h200.json")
     p.add_argument("--quick", action="store_true", help="tiny sizes, reference implementation")
     p.add_argument("--only", default="", help="regex over decode|prefill|kv_write")
-    p.add_argument("--sweep", action="store_true", help="sweep decode knobs at B=128, 32K")
+    p.add_argument("--sweep", action="store_true", help="sweep prefill and 32K decode knobs")
     p.add_argument("--no-builtin", action="store_true", help="skip the Triton peer")
     p.add_argument("--batch", type=int, default=None, help="only decode cases of this batch")
     p.add_argument("--context", type=int, default=None, help="only decode cases of this context")

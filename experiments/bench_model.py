@@ -287,9 +287,7 @@ def _time_gather(layout, inputs, prev_inputs, impl, mode, quick):
         return state[0]
 
     t = time_calls(call, iters=iters)
-    if turn[0] % 2 == 1:  # keep the pairs of calls aligned: the next call uses `inputs`
-        call()
-    device = _device_time(call, 2 * (iters // 2))
+    device = _device_time(call, 2 * (iters // 2))  # pairs of calls: both inputs equally
     if turn[0] % 2 == 0:  # the last call used the previous step's inputs
         call()
     return dict(wall_ms=t, **device, exact=_same_as_reference(layout, inputs, state[0]))
@@ -426,8 +424,17 @@ def model_decode_records(
         try:
             # The engine's step: statics bound once, state and tables donated; each call
             # updates the previous step's page tables in place (as `Engine.run` does).
-            step = step_function(graphdef, layout, decode=True, implementation=impl, logits=False)
-            box = [decode_state(layout, context - 1, jax.random.key(1)), None]
+            step = step_function(
+                graphdef,
+                layout,
+                decode=True,
+                implementation=impl,
+                logits=False,
+                sampling_mode="greedy",
+            )
+            bad = [(p.num_layers, batch, 2, layout.max_blocks) for p in layout.pools]
+            tables = tuple(jnp.full(s, swajax.BAD, jnp.int32) for s in bad)  # as Engine
+            box = [decode_state(layout, context - 1, jax.random.key(1)), tables]
             count = [0]
 
             def call(step=step, box=box, count=count):

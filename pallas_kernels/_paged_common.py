@@ -233,15 +233,16 @@ def qk_block(q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv):
 
 
 def p_in_smem(interpret, head_dim) -> bool:
-    """Whether P goes to WGMMA through SMEM: always in interpret mode (its WGMMA reads A
-    from SMEM only) and for head_dim >= 256, where P in registers next to the [64, 256]
-    float32 accumulator measured slower (decode 5.8 vs 4.5 ms at B=128, 32K on an H200)."""
+    """Whether the decode kernel gives P to WGMMA through SMEM: always in interpret mode (its
+    WGMMA reads A from SMEM only) and for head_dim >= 256, where P in registers next to the
+    [64, 256] float32 accumulator measured slower (decode 5.8 vs 4.5 ms at B=128, 32K on an
+    H200). The prefill kernel chooses with its `p_smem` knob (registers measured faster)."""
     return interpret is not None or head_dim >= 256
 
 
 def stage_p(p, p_smem, cdtype):
-    """P as the WGMMA A operand: registers when compiled, SMEM (p_smem) when interpreting,
-    since the interpreter's WGMMA reads A from SMEM only."""
+    """P as the WGMMA A operand: in registers when p_smem is None, else stored to the SMEM
+    tile p_smem (always so in interpret mode, whose WGMMA reads A from SMEM only)."""
     p = p.astype(cdtype)
     if p_smem is None:
         return p

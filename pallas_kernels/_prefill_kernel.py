@@ -59,7 +59,7 @@ class PrefillTuning:
     """Static knobs (None = chosen from the shapes).
 
     block_kv: keys per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
-    num_stages: SMEM ring depth (default 2 at head_dim 256 when it fits, else 1).
+    num_stages: SMEM ring depth (default 2 at head_dim 256 for bf16/f16 pools, else 1).
     mask_split: per-element masks only in the steps that need one; steps no row of the
         warpgroup sees skip the math (default True; False masks every step).
     pipeline: issue the next step's S = Q K^T WGMMA before this step's softmax (default: on
@@ -124,7 +124,9 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     num_stages = tuning.num_stages
     if num_stages is None:
         two_fit = _smem_bytes(head_dim, block_kv, 2, pool_dtype, cdtype, p_smem) <= pc.SMEM_LIMIT
-        num_stages = 2 if head_dim == 256 and two_fit else 1
+        # fp8 dequantises K on the CUDA cores before its WGMMA: nothing to overlap.
+        fp8 = _checks.is_fp8(pool_dtype)
+        num_stages = 2 if head_dim == 256 and two_fit and not fp8 else 1
     need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(

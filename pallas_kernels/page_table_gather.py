@@ -47,10 +47,12 @@ of writes. NB is padded to a multiple of 128 inside the kernel (in place only wh
 
 Cost, Gemma 3 27B (52 sliding + 10 full layers), batch 256, 128K context, page 32 (NB = 4096):
 a fresh table is 436 MB (sliding pool) + 84 MB (full pool) of writes whatever the row lengths
-(the BAD tail is written too), about 150 us at HBM write speed for the kernel and the
-reference alike, so a fresh table cannot meet a 50 us step budget. In place, a decode step
+(the BAD tail is written too): 130 us for the kernel (4.0 TB/s) and 176 us for the reference
+on the H200, so a fresh table cannot meet a 50 us step budget. In place, a decode step
 reads 2 * 4 MB per pool (base table, layer-0 K slice of `out`) and writes the few tiles whose
-rows gained or released a block (a 512-block tile of the sliding pool is 213 KB). A compact
+rows gained or released a block (a 512-block tile of the sliding pool is 213 KB): 8.9 us for
+rows of 8K-32K in decode, 13.9 us with 32 rows prefilling with scratch, 30.9 us with every row
+at 128K (H200, `experiments/NOTES.md`). A compact
 sliding table (a ring of ceil(W / tpb) + chunk blocks per row instead of NB, 32x smaller here)
 would make even fresh tables cheap, but the attention and KV-write kernels would have to index
 it modulo the ring: a change of the kernel-facing API, not made.
@@ -68,7 +70,7 @@ from pallas_kernels import _checks
 from pallas_kernels._checks import BAD
 
 # "auto" takes the kernel on a Hopper GPU: its compiled tests pass on the H200 and it beats
-# the reference (fresh 520 MB table: 145 vs 216 us; in place: a few MB written).
+# the reference (fresh 520 MB table: 130 vs 176 us of kernel time; in place 9-31 us).
 AUTO_USES_KERNEL = True
 LANES = 128  # threads of the one warpgroup of a CUDA block; NB is padded to a multiple
 TILE_BLOCKS = (512, 256, 128)  # default tile: the largest that divides the padded NB

@@ -223,7 +223,8 @@ def ragged_paged_attention(
     q: [T, Hq, D]; pool: [P, S, Hkv, D]; page_table: i32[B, 2, NB]; q_starts: i32[B + 1];
     kv_lens: i32[B]; scale/window/softcap static. Returns [T, Hq, D] in q's dtype.
     implementation: "reference" | "pallas" (Mosaic GPU; interpret mode off-GPU) | "auto".
-    tuning: keyword block sizes of the Pallas kernel (see `_prefill_kernel.PrefillTuning`).
+    tuning: keyword knobs of the Pallas kernel (block_kv, num_stages, mask_split, pipeline,
+      pv_in_place, p_smem; see `_prefill_kernel.PrefillTuning`).
     """
     batch = _check_common(
         q, pool, page_table, kv_lens, scale, window, softcap, k_scale, v_scale, implementation

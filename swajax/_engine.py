@@ -66,6 +66,7 @@ def _step(
     decode: bool,
     implementation: str,
     return_logits: bool = False,
+    sampling_mode: str = "filter",
 ):
     """One engine step; returns (state, next_tokens, ok, row_logits, free, tables).
 
@@ -102,7 +103,7 @@ def _step(
         attention_state=state.pools,
         logits_indices=last,
     )  # [B, V]: only each row's last new token is unembedded
-    next_tokens = sample(logits, key, **sampling)
+    next_tokens = sample(logits, key, **sampling, mode=sampling_mode)
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     logits = logits if return_logits else None
     return state, next_tokens, ok, logits, free_after_reserve, tables
@@ -119,11 +120,20 @@ def _traced_step(*args, **kwargs):
 
 
 @functools.lru_cache(maxsize=64)
-def step_function(graphdef, layout: KVLayout, *, decode: bool, implementation: str, logits: bool):
+def step_function(
+    graphdef,
+    layout: KVLayout,
+    *,
+    decode: bool,
+    implementation: str,
+    logits: bool,
+    sampling_mode: str = "filter",
+):
     """The jitted step with its static arguments bound (state and tables donated).
 
-    Bound once per engine and mode: hashing a model's GraphDef costs about 2 ms (Gemma 3
-    4B), which a jit call with static arguments would pay at every decode step.
+    Bound once per engine and mode: hashing a model's GraphDef costs about 1.6 ms (Gemma 3
+    4B), which a jit call with static arguments would pay at every decode step. The cache
+    keeps up to 64 (model structure, layout, mode) steps and their executables alive.
     """
     bound = functools.partial(
         _traced_step,
@@ -132,6 +142,7 @@ def step_function(graphdef, layout: KVLayout, *, decode: bool, implementation: s
         decode=decode,
         implementation=implementation,
         return_logits=logits,
+        sampling_mode=sampling_mode,
     )
     return jax.jit(bound, donate_argnums=(1, 7))
 
@@ -265,7 +276,7 @@ class Engine:
         self.implementation = implementation
         self.min_prefill_bucket = min_prefill_bucket
         self.graphdef, self.params = nnx.split(model)
-        self._steps: dict[tuple[bool, bool], Callable] = {}
+        self._steps: dict[tuple[bool, bool, str], Callable] = {}
         self.state = init_state(self.layout)
         # The previous step's page tables, updated in place by the gather (per_layer mode).
         self.tables = (
@@ -326,7 +337,7 @@ class Engine:
     def lower_step(self, num_tokens: int, *, decode: bool):
         """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
         b = self.layout.max_batch
-        return self._step_function(decode, False).lower(
+        return self._step_function(decode, False, SamplingParams().mode).lower(
             self.params,
             self.state,
             jnp.zeros((num_tokens,), jnp.int32),
@@ -337,8 +348,8 @@ class Engine:
             self.tables,
         )
 
-    def _step_function(self, decode: bool, logits: bool):
-        key = (decode, logits)
+    def _step_function(self, decode: bool, logits: bool, sampling_mode: str):
+        key = (decode, logits, sampling_mode)
         if key not in self._steps:
             self._steps[key] = step_function(
                 self.graphdef,
@@ -346,6 +357,7 @@ class Engine:
                 decode=decode,
                 implementation=self.implementation,
                 logits=logits,
+                sampling_mode=sampling_mode,
             )
         return self._steps[key]
 
@@ -505,7 +517,7 @@ class Engine:
             tokens = np.zeros(size, np.int32)
             tokens[: len(flat)] = flat
             key = jax.random.fold_in(base_key, stats.steps)
-            step = self._step_function(decode, collect_logits)
+            step = self._step_function(decode, collect_logits, sampling.mode)
             self.state, next_tokens, ok, logits, free, tables = step(
                 self.params,
                 self.state,

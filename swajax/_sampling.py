@@ -2,8 +2,9 @@
 
 Axis names: B = batch rows, V = vocabulary.
 
-The sampling parameters are traced values (arrays), so changing temperature,
-top-k or top-p between calls never recompiles the generation step.
+The sampling parameters are traced values (arrays); the engine compiles one step per sampling
+mode (greedy, sample, filter: `SamplingParams.mode`), so changing temperature, top-k or top-p
+within a mode never recompiles the generation step.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def mode(self) -> str:
+        """The cheapest `sample` mode exact for these parameters (a static choice)."""
+        if self.greedy:
+            return "greedy"
+        if (self.top_k or 0) > 0 or (self.top_p is not None and self.top_p < 1.0):
+            return "filter"
+        return "sample"
+
     def as_arrays(self) -> dict[str, jax.Array]:
         """The parameters as float32/int32 scalars, ready to pass into a jitted step."""
         return dict(
@@ -52,6 +62,9 @@ class SamplingParams:
         )
 
 
+MODES = ("filter", "sample", "greedy")
+
+
 def sample(
     logits: jax.Array,
     key: jax.Array,
@@ -59,6 +72,7 @@ def sample(
     temperature: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
+    mode: str = "filter",
 ) -> jax.Array:
     """Draws one token per row.
 
@@ -68,24 +82,25 @@ def sample(
       temperature: f32 scalar; 0 selects argmax.
       top_k: i32 scalar; 0 keeps every token.
       top_p: f32 scalar in (0, 1]; 1 keeps every token.
+      mode: static. "filter" (default) is exact for every parameter value, so changing them
+        never recompiles; "sample" (temperature > 0, no top-k / top-p) and "greedy"
+        (temperature 0) skip the work those parameters make useless: the sort of the
+        vocabulary, the softmax. The modes are static rather than a `lax.cond` because a
+        conditional on a GPU syncs the host with the device every step.
 
     Returns:
       i32[B] token ids.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
-
-    def greedy():
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def drawn():
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        # The sort of the vocabulary runs only when top-k or top-p filters something.
-        filtering = (top_k > 0) | (top_p < 1.0)
-        masked = jax.lax.cond(filtering, lambda: _filter(scaled, top_k, top_p), lambda: scaled)
-        return jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
-
-    # Greedy steps (temperature 0) pay for one argmax, not for the sampling path.
-    return jax.lax.cond(temperature > 0.0, drawn, greedy)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    masked = _filter(scaled, top_k, top_p) if mode == "filter" else scaled
+    drawn = jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0.0, drawn, greedy)
 
 
 def _filter(scaled, top_k, top_p):

@@ -63,3 +63,29 @@ def test_changing_parameters_does_not_recompile():
 def test_bad_parameters_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "params, mode",
+    [
+        (SamplingParams(0.0), "greedy"),
+        (SamplingParams(0.0, top_k=3), "greedy"),
+        (SamplingParams(0.8), "sample"),
+        (SamplingParams(0.8, top_p=1.0), "sample"),
+        (SamplingParams(0.8, top_k=3), "filter"),
+        (SamplingParams(1.0, top_p=0.6), "filter"),
+    ],
+)
+def test_static_mode_equals_filter_mode(params, mode):
+    """The engine's static fast paths draw exactly what the general mode draws."""
+    assert params.mode == mode
+    logits = jax.random.normal(jax.random.key(5), (6, 50))
+    key = jax.random.key(9)
+    want = sample(logits, key, **params.as_arrays())
+    got = sample(logits, key, **params.as_arrays(), mode=params.mode)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_mode_validation():
+    with pytest.raises(ValueError, match="mode"):
+        sample(jnp.zeros((1, 4)), jax.random.key(0), **SamplingParams().as_arrays(), mode="nucleus")
