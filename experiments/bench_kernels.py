@@ -197,15 +197,12 @@ def run_decode(records, args, quick):
                 sets += [(q, pool + 0, pt, lens) for _ in range(copies_for(pool.nbytes) - 1)]
             tunings = [{}]
             sweep = args.sweep and not quick and context == 32768 and window is None
-            # Ring shapes (block_kv x num_stages) were swept in v3 (NOTES.md); here split-K
-            # and the L2 prefetch distance.
+            # Ring shapes (block_kv x num_stages) were swept in v3 (NOTES.md); here split-K.
+            # (An L2 prefetch knob swept in v5 was slower everywhere and was removed.)
             if sweep and batch == 128:
-                tunings += [dict(prefetch=p) for p in (1, 2, 4)]
-                tunings += [dict(num_splits=2, prefetch=p) for p in (0, 2)]
+                tunings += [dict(num_splits=s) for s in (1, 2, 4)]
             elif sweep:  # small batches
                 tunings += [dict(num_splits=s) for s in (2, 4, 8)]
-                tunings += [dict(num_splits=s, prefetch=2) for s in (2, 4, 8)]
-                tunings += [dict(num_splits=4, prefetch=1)]
             best = None
             for tuning in tunings:
                 try:

@@ -371,7 +371,7 @@ def model_decode_records(
     """One decode step of the paged Gemma 3 4B forward (see the module docstring)."""
     from flax import nnx
 
-    from swajax._engine import _bucket, step_function
+    from swajax._engine import _bucket, initial_tables, step_function
     from swajax._sampling import SamplingParams
 
     records = []
@@ -432,8 +432,7 @@ def model_decode_records(
                 logits=False,
                 sampling_mode="greedy",
             )
-            bad = [(p.num_layers, batch, 2, layout.max_blocks) for p in layout.pools]
-            tables = tuple(jnp.full(s, swajax.BAD, jnp.int32) for s in bad)  # as Engine
+            tables = initial_tables(layout)
             box = [decode_state(layout, context - 1, jax.random.key(1)), tables]
             count = [0]
 

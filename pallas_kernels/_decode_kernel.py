@@ -54,15 +54,11 @@ class DecodeTuning:
     block_kv: tokens per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
     num_stages: SMEM ring depth (TMA steps in flight).
     num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
-    prefetch: steps fetched into L2 (TMA prefetch) beyond the ring, so more bytes are in
-      flight than the SMEM ring holds (default 0: 1-4 measured slower at every swept shape on
-      the H200, e.g. head_dim 512 at B=128/32K 8.3 -> 11.6 ms).
     """
 
     block_kv: int | None = None
     num_stages: int | None = None
     num_splits: int | None = None
-    prefetch: int | None = None
 
 
 def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
@@ -127,10 +123,7 @@ def _pick(
         num_splits = max(1, min(steps // 4, -(-2 * NUM_SMS // blocks), 16))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    prefetch = 0 if tuning.prefetch is None else tuning.prefetch
-    if not isinstance(prefetch, int) or not 0 <= prefetch <= 8:
-        raise ValueError(f"prefetch must be an int in [0, 8], got {prefetch!r}")
-    return cdtype, block_kv, num_stages, num_splits, prefetch
+    return cdtype, block_kv, num_stages, num_splits
 
 
 def supports(q, pool, **tuning) -> bool:
@@ -169,7 +162,6 @@ def _decode_call(
     block_kv,
     num_stages,
     num_splits,
-    prefetch,
     cdtype,
     q_dtype,
     interpret,
@@ -238,7 +230,7 @@ def _decode_call(
             @functools.partial(leader)
             def _prologue():
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
-                pc.ring_prologue(issue, st, n, num_stages, prefetch)
+                pc.ring_prologue(issue, st, n, num_stages)
 
             plgpu.barrier_wait(q_bar)
 
@@ -249,7 +241,6 @@ def _decode_call(
                 num_stages=num_stages,
                 leader=leader,
                 multi_wg=num_wgs > 1,
-                prefetch=prefetch,
             )
 
             def step(j, carry):
@@ -397,7 +388,6 @@ def combine_splits(o, m, l, group):
         "block_kv",
         "num_stages",
         "num_splits",
-        "prefetch",
         "interpret",
     ),
 )
@@ -415,20 +405,19 @@ def _decode_jit(
     block_kv,
     num_stages,
     num_splits,
-    prefetch,
     interpret,
 ):
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = pool.shape
     group = num_q_heads // num_kv_heads
-    cdtype, block_kv, num_stages, num_splits, prefetch = _pick(
+    cdtype, block_kv, num_stages, num_splits = _pick(
         head_dim,
         page_size,
         pool.dtype,
         batch,
         num_kv_heads,
         page_table.shape[2],
-        DecodeTuning(block_kv, num_stages, num_splits, prefetch),
+        DecodeTuning(block_kv, num_stages, num_splits),
         pc.p_in_smem(interpret, head_dim),
         window,
     )
@@ -448,7 +437,6 @@ def _decode_jit(
         block_kv=block_kv,
         num_stages=num_stages,
         num_splits=num_splits,
-        prefetch=prefetch,
         cdtype=cdtype,
         q_dtype=q.dtype,
         interpret=interpret,
@@ -474,7 +462,6 @@ def paged_decode_attention_pallas(
     block_kv=None,
     num_stages=None,
     num_splits=None,
-    prefetch=None,
 ):
     """Mosaic GPU paged decode attention (validated inputs; see `paged_attention.py`)."""
     _check_supported(q, pool)
@@ -492,6 +479,5 @@ def paged_decode_attention_pallas(
         block_kv=block_kv,
         num_stages=num_stages,
         num_splits=num_splits,
-        prefetch=prefetch,
         interpret=_checks.interpret_params(),
     )

@@ -76,13 +76,11 @@ def issue_pages(
     lo_blk,
     hi_blk,
     max_blocks,
-    prefetch=False,
 ):
     """TMA-loads tokens [step * T, (step + 1) * T) of role (0 K, 1 V) into ring[slot].
 
     Blocks outside [lo_blk, hi_blk) are never read: such a part of a step re-reads an in-range
-    page (its logits are masked), so BAD and out-of-window pages stay untouched. With
-    `prefetch` the same pages are only fetched into L2 (TMA prefetch; ring, bar, slot unused).
+    page (its logits are masked), so BAD and out-of-window pages stay untouched.
     """
     pages_per_step = max(1, block_kv // page_size)
     copy_rows = min(block_kv, page_size)
@@ -97,12 +95,6 @@ def issue_pages(
             rows = pl.ds(pl.multiple_of(tok0 % page_size, block_kv), copy_rows)
         blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
         page = jnp.maximum(pt_ref[b, role, blk], 0)
-        if prefetch:  # TMA boxes span at most 256 elements per dimension
-            head_dim = pool_ref.shape[-1]
-            for c in range(0, head_dim, min(head_dim, 256)):
-                cols = pl.ds(c, min(head_dim, 256))
-                plgpu.async_prefetch(pool_ref.at[page, rows, kv_head, cols])
-            continue
         plgpu.copy_gmem_to_smem(
             pool_ref.at[page, rows, kv_head, :],
             ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
@@ -117,18 +109,15 @@ def page_issuer(pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
     block_kv, page_size, lo_blk, hi_blk, max_blocks).
     """
 
-    def issue(role, step, slot=None, *, prefetch=False):
+    def issue(role, step, slot):
         ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-        issue_pages(
-            pool_ref, pt_ref, ring, bar, slot=slot, role=role, step=step, prefetch=prefetch, **where
-        )
+        issue_pages(pool_ref, pt_ref, ring, bar, slot=slot, role=role, step=step, **where)
 
     return issue
 
 
-def ring_prologue(issue, first, n, num_stages, prefetch: int = 0):
-    """Fills the ring: K and V of steps first .. first + num_stages - 1 (those < n), and
-    prefetches the next `prefetch` steps into L2."""
+def ring_prologue(issue, first, n, num_stages):
+    """Fills the ring: K and V of steps first .. first + num_stages - 1 (those < n)."""
     for i in range(num_stages):
 
         @pl.when(i < n)
@@ -136,20 +125,9 @@ def ring_prologue(issue, first, n, num_stages, prefetch: int = 0):
             issue(0, first + i, i)
             issue(1, first + i, i)
 
-    for i in range(num_stages, num_stages + prefetch):
 
-        @pl.when(i < n)
-        def _(i=i):
-            issue(0, first + i, prefetch=True)
-            issue(1, first + i, prefetch=True)
-
-
-def ring_refill(
-    issue, done, role, *, j, step, slot, n, num_stages, leader, multi_wg, prefetch: int = 0
-):
-    """After local step j (absolute `step`) used `slot` for `role`, loads step + num_stages
-    (and prefetches step + num_stages + prefetch into L2: a ring of num_stages SMEM slots
-    then has num_stages + prefetch steps in flight).
+def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, multi_wg):
+    """After local step j (absolute `step`) used `slot` for `role`, loads step + num_stages.
 
     With several warpgroups each arrives on done[slot] and the leader waits for all of them
     before it reuses the slot; one warpgroup's own program order suffices otherwise.
@@ -164,9 +142,6 @@ def ring_refill(
             if multi_wg:
                 plgpu.barrier_wait(done.at[slot])
             issue(role, step + num_stages, slot)
-            if prefetch:
-                ahead = num_stages + prefetch
-                pl.when(j + ahead < n)(lambda: issue(role, step + ahead, prefetch=True))
 
         leader(reload)
 

@@ -32,6 +32,7 @@ from swajax._config import KVCacheConfig, resolve_scratch_policy
 from swajax._layout import KVLayout, make_layout
 from swajax._paged import make_attention_fn, token_positions
 from swajax._sampling import SamplingParams, sample
+from swajax._scratch import BAD
 from swajax._state import KVPoolState, init_state
 from swajax._transforms import (
     advance,
@@ -117,6 +118,14 @@ _TRACES: collections.Counter = collections.Counter()
 def _traced_step(*args, **kwargs):
     _TRACES[kwargs["layout"]] += 1
     return _step(*args, **kwargs)
+
+
+def initial_tables(layout: KVLayout):
+    """All-BAD per-pool page tables, the `tables` of a first step (None in shared mode)."""
+    if layout.page_table_mode != "per_layer":
+        return None
+    shape = (layout.max_batch, 2, layout.max_blocks)
+    return tuple(jnp.full((p.num_layers, *shape), BAD, jnp.int32) for p in layout.pools)
 
 
 @functools.lru_cache(maxsize=64)
@@ -279,18 +288,7 @@ class Engine:
         self._steps: dict[tuple[bool, bool, str], Callable] = {}
         self.state = init_state(self.layout)
         # The previous step's page tables, updated in place by the gather (per_layer mode).
-        self.tables = (
-            tuple(
-                jnp.full(
-                    (p.num_layers, self.layout.max_batch, 2, self.layout.max_blocks),
-                    -1,
-                    jnp.int32,
-                )
-                for p in self.layout.pools
-            )
-            if self.layout.page_table_mode == "per_layer"
-            else None
-        )
+        self.tables = initial_tables(self.layout)
         self._need_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._traces_at_start = _TRACES[self.layout]
 

@@ -284,7 +284,7 @@ DECODE_CASES = {
         {"num_splits": 2},
     ),
     "d512_g8_page64": ([70, 129], 8, 1, 512, 64, jnp.bfloat16, None, None, {}),
-    "d512_g4_prefetch2_window": (
+    "d512_g4_window": (
         [300, 129, 0],
         8,
         2,
@@ -293,9 +293,9 @@ DECODE_CASES = {
         jnp.bfloat16,
         200,
         None,
-        {"prefetch": 2},
+        {},
     ),
-    "d128_g8_prefetch1_split": (
+    "d128_g8_split_2stages": (
         [260, 3, 190],
         8,
         1,
@@ -304,7 +304,7 @@ DECODE_CASES = {
         jnp.bfloat16,
         None,
         None,
-        {"prefetch": 1, "num_splits": 2, "num_stages": 2},
+        {"num_splits": 2, "num_stages": 2},
     ),
     "fp8_d128_g1_window": (
         [100, 33],
@@ -356,8 +356,8 @@ def test_decode_kernel(name, mode):
         (256, 16, 2, 64, jnp.float8_e4m3fn, 512, None),
         (512, 4, 2, 32, jnp.bfloat16, None, 2),
         (512, 8, 1, 32, jnp.float8_e4m3fn, None, None),
-        (512, 8, 2, 32, jnp.bfloat16, 1000, {"prefetch": 2}),
-        (256, 8, 4, 16, jnp.bfloat16, None, {"prefetch": 1, "num_splits": 3}),
+        (512, 8, 2, 32, jnp.bfloat16, 1000, None),
+        (256, 8, 4, 16, jnp.bfloat16, None, 3),
     ],
 )
 def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
@@ -377,8 +377,7 @@ def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
         k_scale=0.5,
         v_scale=0.25,
     )
-    tuning = splits if isinstance(splits, dict) else {"num_splits": splits}
-    got = _pallas(case, decode=True, scale=d**-0.5, window=window, **tuning)
+    got = _pallas(case, decode=True, scale=d**-0.5, window=window, num_splits=splits)
     want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
     _check(got, want, jnp.bfloat16)
 
@@ -406,10 +405,16 @@ PREFILL_CASES = {
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(PREFILL_CASES))
 def test_prefill_kernel(name, mode):
-    q_lens, kv_lens, t, hq, hkv, d, ps, dtype, window, softcap = PREFILL_CASES[name]
+    _check_prefill(10 + sorted(PREFILL_CASES).index(name), *PREFILL_CASES[name], mode)
+
+
+def _check_prefill(
+    seed, q_lens, kv_lens, t, hq, hkv, d, ps, dtype, window, softcap, mode, **tuning
+):
+    """The Pallas prefill kernel on a fresh random case vs the dense oracle; padding rows 0."""
     fp8 = dtype == jnp.float8_e4m3fn
     case = _testing.make_case(
-        10 + sorted(PREFILL_CASES).index(name),
+        seed,
         q_lens=q_lens,
         kv_lens=kv_lens,
         num_q_heads=hq,
@@ -424,7 +429,7 @@ def test_prefill_kernel(name, mode):
         row_fill=100.0,
     )
     with _mode_ctx(mode):
-        got = _pallas(case, decode=False, scale=d**-0.5, window=window, softcap=softcap)
+        got = _pallas(case, decode=False, scale=d**-0.5, window=window, softcap=softcap, **tuning)
     want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap)
     _check(got, want, jnp.bfloat16)
     assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
@@ -546,28 +551,8 @@ PREFILL_KNOB_CASES = {
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(PREFILL_KNOB_CASES))
 def test_prefill_kernel_knobs(name, mode):
-    q_lens, kv_lens, t, hq, hkv, d, ps, dtype, window, softcap, tuning = PREFILL_KNOB_CASES[name]
-    fp8 = dtype == jnp.float8_e4m3fn
-    case = _testing.make_case(
-        30 + sorted(PREFILL_KNOB_CASES).index(name),
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        page_size=ps,
-        pool_dtype=dtype,
-        window=window,
-        num_tokens=t,
-        k_scale=0.3 if fp8 else 1.0,
-        v_scale=0.5 if fp8 else 1.0,
-        row_fill=100.0,
-    )
-    with _mode_ctx(mode):
-        got = _pallas(case, decode=False, scale=d**-0.5, window=window, softcap=softcap, **tuning)
-    want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap)
-    _check(got, want, jnp.bfloat16)
-    assert np.all(np.asarray(got, np.float32)[int(case.q_starts[-1]) :] == 0)
+    *spec, tuning = PREFILL_KNOB_CASES[name]
+    _check_prefill(30 + sorted(PREFILL_KNOB_CASES).index(name), *spec, mode, **tuning)
 
 
 def test_prefill_knobs_lower_for_gpu():
