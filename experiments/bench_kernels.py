@@ -197,12 +197,17 @@ def run_decode(records, args, quick):
                 sets += [(q, pool + 0, pt, lens) for _ in range(copies_for(pool.nbytes) - 1)]
             tunings = [{}]
             sweep = args.sweep and not quick and context == 32768 and window is None
-            # Ring shapes (block_kv x num_stages) were swept in v3 (NOTES.md); here split-K.
-            # (An L2 prefetch knob swept in v5 was slower everywhere and was removed.)
-            if sweep and batch == 128:
-                tunings += [dict(num_splits=s) for s in (1, 2, 4)]
-            elif sweep:  # small batches
-                tunings += [dict(num_splits=s) for s in (2, 4, 8)]
+            if sweep:
+                # Split-K x ring shapes. Rings at 128 were swept in v3 (NOTES.md); 32-token
+                # steps (v6) fit two stages beside the 64 KB Q tile at head_dim 512, and two
+                # 2-stage blocks per SM at 256. (An L2 prefetch knob swept in v5 was slower
+                # everywhere and was removed.)
+                splits = (None, 1, 2, 4) if batch == 128 else (None, 2, 4, 8)
+                rings = {
+                    256: [{}, dict(block_kv=32, num_stages=2), dict(block_kv=32, num_stages=4)],
+                    512: [dict(block_kv=64), dict(block_kv=32)],
+                }.get(d, [{}])
+                tunings = [dict(r, num_splits=s) for r in rings for s in splits]
             best = None
             for tuning in tunings:
                 try:
@@ -322,12 +327,17 @@ PREFILL_SWEEP = {
             for sm in (False, True)
         ],
         dict(block_kv=128, num_stages=1, p_smem=False),
+        dict(block_kv=32, num_stages=4, pipeline=True),  # v6
     ],
     512: [
         dict(p_smem=True, **_V4),
         dict(p_smem=False),
         dict(pipeline=True),
         dict(pipeline=True, p_smem=False),
+        # v6: 32-key steps, two stages fit.
+        dict(block_kv=32, num_stages=2, pipeline=False),
+        dict(block_kv=32, num_stages=2, pipeline=True),
+        dict(block_kv=32, num_stages=2, pipeline=True, p_smem=True),
     ],
 }
 

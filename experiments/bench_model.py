@@ -455,7 +455,15 @@ def model_decode_records(
             jax.block_until_ready(call())  # compile
             compile_s = time.perf_counter() - t0
             t = time_calls(call, iters=iters, reps=reps, warmup=1)
+            # Host time to enqueue one step (the device still busy with the previous ones).
+            jax.block_until_ready(call())
+            t0 = time.perf_counter()
+            outs = [call() for _ in range(iters)]
+            dispatch_ms = (time.perf_counter() - t0) / iters * 1e3
+            jax.block_until_ready(outs)
+            outs = None
             prof = device_kernel_times(call, iters)
+            launches = sum(k["count"] for k in prof["kernels"].values()) / iters
             _, ok = call()
             if not bool(ok):
                 raise RuntimeError("a decode step's reserve failed: too few slots")
@@ -473,6 +481,9 @@ def model_decode_records(
                     tbs=(weight_bytes + kv_bytes) / (t * 1e-3) / 1e12,
                     tokens_per_s=batch / (t * 1e-3),
                     compile_s=compile_s,
+                    dispatch_ms=dispatch_ms,
+                    kernel_launches=launches,
+                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                     device_busy_ms=prof["busy_us"] / 1e3 if prof["kernels"] else None,
                     device_span_ms=prof["span_us"] / 1e3 if prof["kernels"] else None,
                     top_kernels=top_kernels(prof, 15) if prof["kernels"] else [],
@@ -506,6 +517,9 @@ def _print(res):
             extra = f"floor {r['floor_ms']:.3f} ms  x{r['ratio']:.2f}"
             if r.get("device_busy_ms"):
                 extra += f"  kernels {r['device_busy_ms']:.3f} ms"
+                extra += f" (span {r['device_span_ms']:.3f}, {r['kernel_launches']:.0f} launches)"
+            if "dispatch_ms" in r:
+                extra += f"  dispatch {r['dispatch_ms']:.3f} ms"
         print(
             f"{r['kernel']:<13} {what:<48} {desc:<60} {r['time_ms']:9.3f} ms "
             f"{r['tbs']:6.2f} TB/s  {extra}"

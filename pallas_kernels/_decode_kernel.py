@@ -51,7 +51,8 @@ NUM_SMS = 132
 class DecodeTuning:
     """Static knobs of the decode kernel (None = chosen from the shapes).
 
-    block_kv: tokens per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
+    block_kv: tokens per pipeline step: a multiple of 64 (32 also for 16-bit pools) and a
+        multiple or divisor of page_size.
     num_stages: SMEM ring depth (TMA steps in flight).
     num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
     """
@@ -88,10 +89,14 @@ def _pick(
         raise ValueError("the Pallas decode kernel needs a bf16, f16 or fp8 pool, got float32")
     if _checks.is_fp8(pool_dtype) and head_dim < 128:  # dequantised in 64 x 128 chunks
         raise ValueError(f"fp8 pools need head_dim >= 128 in the Pallas kernels, got {head_dim}")
+    fp8 = _checks.is_fp8(pool_dtype)
     block_kv = tuning.block_kv
     if block_kv is None:
-        block_kv = {64: 128, 128: 64, 256: 64, 512: 64}[head_dim]
-    pc.check_block_kv(block_kv, page_size)
+        # head_dim 512, 16-bit: steps of 32 tokens (64 KB of K+V) so that two ring stages fit
+        # beside the 64 KB Q tile; steps of 64 fit one stage only.
+        block_kv = {64: 128, 128: 64, 256: 64, 512: 64 if fp8 else 32}[head_dim]
+    # fp8 dequantises 64-row chunks; a [64, 32] 16-bit P tile takes a 64-byte swizzle.
+    pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
     num_stages = tuning.num_stages
     if num_stages is None:
         # Two blocks per SM (measured: 4.2 vs 3.1 TB/s at head_dim 128) with >= 2 stages if
@@ -285,13 +290,16 @@ def _decode_call(
             return lax.fori_loop(0, n, step, pc.init_stats(dv))
 
         item = jnp.dtype(pool.dtype)
+        p_swizzle = pc.row_swizzle(T, cdtype)
+        v_swizzle = pc.SWIZZLE if fp8 else p_swizzle  # fp8 V is dequantised, never an operand
         done = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages)
         pages = pc.pages_per_step(T, page_size)
         scratch = [
             plgpu.SMEM((ROWS, head_dim), cdtype, transforms=pc.transforms(cdtype)),
             plgpu.SMEM((num_stages, T, head_dim), item, transforms=pc.transforms(item)),
-            plgpu.SMEM((num_stages, T, head_dim), item, transforms=pc.transforms(item)),
-            plgpu.SMEM((num_wgs, ROWS, T), cdtype, transforms=pc.transforms(cdtype))
+            # P V takes A and B with one swizzle: V gets P's (64 bytes when T is 32).
+            plgpu.SMEM((num_stages, T, head_dim), item, transforms=pc.transforms(item, v_swizzle)),
+            plgpu.SMEM((num_wgs, ROWS, T), cdtype, transforms=pc.transforms(cdtype, p_swizzle))
             if p_in_smem
             else None,
             plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))

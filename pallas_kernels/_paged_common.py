@@ -45,19 +45,27 @@ def check_shape(kernel: str, head_dim: int, page_size: int) -> None:
         raise ValueError(f"{kernel} kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
 
 
-def check_block_kv(block_kv: int, page_size: int) -> None:
-    if block_kv < 64 or block_kv % 64:
-        raise ValueError(f"block_kv must be a multiple of 64, got {block_kv}")
+def check_block_kv(block_kv: int, page_size: int, quantum: int = 64) -> None:
+    """block_kv: a multiple of `quantum` (64; the decode kernel allows 32 for 16-bit pools)
+    and a multiple or a divisor of page_size."""
+    if block_kv < quantum or block_kv % quantum:
+        raise ValueError(f"block_kv must be a multiple of {quantum}, got {block_kv}")
     if block_kv % page_size and page_size % block_kv:
         raise ValueError(
             f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"
         )
 
 
-def transforms(dtype):
-    """Tiling + 128-byte swizzle of a WGMMA operand in SMEM."""
+def transforms(dtype, swizzle=SWIZZLE):
+    """Tiling + swizzle (bytes) of a WGMMA operand in SMEM."""
     bits = 8 * jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, SWIZZLE * 8 // bits)), plgpu.SwizzleTransform(SWIZZLE))
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def row_swizzle(cols, dtype) -> int:
+    """The swizzle of a tile whose rows hold `cols` elements: 128 bytes, or the row's bytes when
+    shorter (a [64, 32] bf16 P tile: 64). WGMMA takes A and B with one swizzle."""
+    return min(SWIZZLE, cols * jnp.dtype(dtype).itemsize)
 
 
 def issue_pages(

@@ -58,7 +58,8 @@ _NO_ROW = -(2**30)
 class PrefillTuning:
     """Static knobs (None = chosen from the shapes).
 
-    block_kv: keys per pipeline step (a multiple of 64 and a multiple or divisor of page_size).
+    block_kv: keys per pipeline step: a multiple of 64 (32 also for 16-bit pools: at head_dim
+        512 two ring stages then fit) and a multiple or divisor of page_size.
     num_stages: SMEM ring depth (default 2 at head_dim 256 for bf16/f16 pools, else 1).
     mask_split: per-element masks only in the steps that need one; steps no row of the
         warpgroup sees skip the math (default True; False masks every step).
@@ -114,7 +115,8 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     if _checks.is_fp8(pool_dtype) and head_dim < 128:  # dequantised in 64 x 128 chunks
         raise ValueError(f"fp8 pools need head_dim >= 128 in the Pallas kernels, got {head_dim}")
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64}[head_dim]
-    pc.check_block_kv(block_kv, page_size)
+    # fp8 dequantises 64-row chunks; 16-bit pools may take 32-key steps (64-byte swizzle).
+    pc.check_block_kv(block_kv, page_size, quantum=64 if _checks.is_fp8(pool_dtype) else 32)
     # Measured on the H200 (8K tokens causal, `experiments/results/kernels_h200.json`): P in
     # registers at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage
     # at head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
@@ -501,6 +503,8 @@ def _prefill_jit(
             return lax.cond(n > 0, piped, lambda stats: stats, stats)
 
         item = jnp.dtype(pool.dtype)
+        p_swizzle = pc.row_swizzle(BK, cdtype)
+        v_swizzle = pc.SWIZZLE if fp8 else p_swizzle  # P V takes A and B with one swizzle
         pages = pc.pages_per_step(BK, page_size)
         done = plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=num_stages)
         acc, m_i, l_i = pl.run_scoped(
@@ -508,8 +512,8 @@ def _prefill_jit(
             plgpu.SMEM((row_wgs, ROWS, 64), cdtype),
             plgpu.SMEM((row_wgs, ROWS, head_dim), cdtype, transforms=pc.transforms(cdtype)),
             plgpu.SMEM((num_stages, BK, head_dim), item, transforms=pc.transforms(item)),
-            plgpu.SMEM((num_stages, BK, head_dim), item, transforms=pc.transforms(item)),
-            plgpu.SMEM((NUM_WGS, ROWS, BK), cdtype, transforms=pc.transforms(cdtype))
+            plgpu.SMEM((num_stages, BK, head_dim), item, transforms=pc.transforms(item, v_swizzle)),
+            plgpu.SMEM((NUM_WGS, ROWS, BK), cdtype, transforms=pc.transforms(cdtype, p_swizzle))
             if p_in_smem
             else None,
             plgpu.SMEM((NUM_WGS, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))

@@ -306,6 +306,28 @@ DECODE_CASES = {
         None,
         {"num_splits": 2, "num_stages": 2},
     ),
+    "d128_g2_block32_page64": (
+        [150, 31, 64],
+        4,
+        2,
+        128,
+        64,
+        jnp.bfloat16,
+        None,
+        None,
+        {"block_kv": 32, "num_stages": 3},
+    ),
+    "d256_g4_block32_page16_split": (
+        [97, 200],
+        4,
+        1,
+        256,
+        16,
+        jnp.bfloat16,
+        90,
+        None,
+        {"block_kv": 32, "num_splits": 2},
+    ),
     "fp8_d128_g1_window": (
         [100, 33],
         2,
@@ -519,6 +541,32 @@ PREFILL_KNOB_CASES = {
         None,
         dict(pipeline=True),
     ),
+    "d512_ps64_block32_window_pipe2": (
+        [70, 1],
+        [200, 33],
+        72,
+        2,
+        1,
+        512,
+        64,
+        jnp.bfloat16,
+        90,
+        None,
+        dict(block_kv=32, num_stages=2),
+    ),
+    "d128_ps16_block32_nosplit": (
+        [50, 20],
+        [120, 20],
+        72,
+        2,
+        2,
+        128,
+        16,
+        jnp.bfloat16,
+        None,
+        10.0,
+        dict(block_kv=32, num_stages=3, mask_split=False),
+    ),
     "fp8_d128_ps16_window_pipe2": (
         [80, 1],
         [300, 100],
@@ -582,9 +630,39 @@ def test_prefill_knobs_lower_for_gpu():
         (128, jnp.bfloat16, dict(mask_split=False, pipeline=False, pv_in_place=False)),
         (256, jnp.bfloat16, dict(block_kv=64, num_stages=2, p_smem=True)),
         (512, jnp.bfloat16, dict(pipeline=True)),
+        (512, jnp.bfloat16, dict(block_kv=32, num_stages=2)),
+        (128, jnp.bfloat16, dict(block_kv=32, num_stages=3, p_smem=False)),
         (128, jnp.float8_e4m3fn, dict(num_stages=2)),
     ]:
         assert "mosaic_gpu" in lower(d, dtype, **tuning), (d, dtype, tuning)
+
+
+def test_decode_lowers_for_gpu():
+    """The decode kernel's compiled form (P in registers below head_dim 256, 32-token steps
+    with a 64-byte-swizzled P tile at head_dim 512) lowers to a Mosaic GPU module on CPU."""
+
+    def lower(d, dtype, ps, **tuning):
+        sds = jax.ShapeDtypeStruct
+        args = (
+            sds((2, 8, d), jnp.bfloat16),
+            sds((40, ps, 2, d), dtype),
+            sds((2, 2, 16), jnp.int32),
+            sds((2,), jnp.int32),
+        )
+
+        def f(*a):
+            return paged_decode_attention(*a, scale=0.1, implementation="pallas", **tuning)
+
+        with _checks.force_compiled():
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for d, dtype, ps, tuning in [
+        (512, jnp.bfloat16, 32, {}),
+        (512, jnp.float8_e4m3fn, 32, {}),
+        (128, jnp.bfloat16, 64, dict(block_kv=32, num_stages=4)),
+        (256, jnp.bfloat16, 16, dict(block_kv=32, num_splits=2)),
+    ]:
+        assert "mosaic_gpu" in lower(d, dtype, ps, **tuning), (d, dtype, tuning)
 
 
 @pytest.mark.gpu
