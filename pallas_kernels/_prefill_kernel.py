@@ -60,7 +60,8 @@ class PrefillTuning:
 
     block_kv: keys per pipeline step: a multiple of 64 (32 also for 16-bit pools: at head_dim
         512 two ring stages then fit) and a multiple or divisor of page_size.
-    num_stages: SMEM ring depth (default 2 at head_dim 256 for bf16/f16 pools, else 1).
+    num_stages: SMEM ring depth (default 2 at head_dim 256 and 512 for bf16/f16 pools, else
+        1).
     mask_split: per-element masks only in the steps that need one; steps no row of the
         warpgroup sees skip the math (default True; False masks every step).
     pipeline: issue the next step's S = Q K^T WGMMA before this step's softmax (default: on
@@ -114,21 +115,23 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
         )
     if _checks.is_fp8(pool_dtype) and head_dim < 128:  # dequantised in 64 x 128 chunks
         raise ValueError(f"fp8 pools need head_dim >= 128 in the Pallas kernels, got {head_dim}")
-    block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64}[head_dim]
+    fp8 = _checks.is_fp8(pool_dtype)
+    # head_dim 512, 16-bit: 32-key steps, so that two ring stages fit beside the Q tile.
+    block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; 16-bit pools may take 32-key steps (64-byte swizzle).
-    pc.check_block_kv(block_kv, page_size, quantum=64 if _checks.is_fp8(pool_dtype) else 32)
+    pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
     # Measured on the H200 (8K tokens causal, `experiments/results/kernels_h200.json`): P in
     # registers at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage
     # at head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
-    # vs 475 with one); head_dim 512 fits one stage only.
+    # vs 475 with one); at 512 two pipelined stages of 32 keys (302 vs 238 with one stage of
+    # 64, the most that fits).
     p_smem = False if tuning.p_smem is None else tuning.p_smem
     p_smem = p_smem or interpret is not None  # the interpreter's WGMMA reads A from SMEM only
     num_stages = tuning.num_stages
     if num_stages is None:
         two_fit = _smem_bytes(head_dim, block_kv, 2, pool_dtype, cdtype, p_smem) <= pc.SMEM_LIMIT
         # fp8 dequantises K on the CUDA cores before its WGMMA: nothing to overlap.
-        fp8 = _checks.is_fp8(pool_dtype)
-        num_stages = 2 if head_dim == 256 and two_fit and not fp8 else 1
+        num_stages = 2 if head_dim >= 256 and two_fit and not fp8 else 1
     need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(

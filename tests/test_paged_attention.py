@@ -637,6 +637,19 @@ def test_prefill_knobs_lower_for_gpu():
         assert "mosaic_gpu" in lower(d, dtype, **tuning), (d, dtype, tuning)
 
 
+def test_decode_split_count_counts_waves():
+    """Split-K by waves: 64 (sequence, head) pairs on 132 slots take 6 splits (three waves of
+    1/6 = 1/2; 5 would take three of 1/5), 512 pairs none (four waves either way), and a
+    window's few steps cap the count."""
+    from pallas_kernels._decode_kernel import pick_splits
+
+    assert pick_splits(64, 132, 256) == 6
+    assert pick_splits(512, 132, 128) == 1
+    assert pick_splits(256, 132, 4) == 2
+    assert pick_splits(2, 132, 1) == 1
+    assert pick_splits(2, 264, 3) == 3
+
+
 def test_decode_lowers_for_gpu():
     """The decode kernel's compiled form (P in registers below head_dim 256, 32-token steps
     with a 64-byte-swizzled P tile at head_dim 512) lowers to a Mosaic GPU module on CPU."""
