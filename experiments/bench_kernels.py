@@ -338,6 +338,9 @@ PREFILL_SWEEP = {
         dict(block_kv=32, num_stages=2, pipeline=False),
         dict(block_kv=32, num_stages=2, pipeline=True),
         dict(block_kv=32, num_stages=2, pipeline=True, p_smem=True),
+        dict(block_kv=32, num_stages=2, pipeline=True, pv_in_place=False),
+        dict(block_kv=32, num_stages=2, pipeline=True, mask_split=False),
+        dict(block_kv=32, num_stages=1),
     ],
 }
 
