@@ -15,17 +15,24 @@ import pathlib
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 # (file, kernel names taken from it): the newest run measuring each family with current defaults.
-# v5 prefill: best of the knob sweep, which is the kernel's default configuration at each
-# head_dim (the defaults were set from this sweep). decode / decode_window: v4 (the decode
-# kernel's defaults have not changed since; the v5 decode sweep is kept in its own file).
-# gather_step and model_decode come from `bench_model.py` (kernel times from profiler traces).
+# v6: one full `bench_kernels.py` run (decode, window, fp8, the built-in peer, prefill with
+# cuDNN, kv_write) after the 32-token rings and the wave-count split rule. gather_step and
+# model_decode come from `bench_model.py` (kernel times from profiler traces), v3. The sweeps
+# behind the defaults stay in their own files (`*_sweep*.json`).
 SOURCES = [
-    ("kernels_h200_v4.json", ("decode", "decode_window")),
-    ("kernels_h200_v5_prefill_sweep.json", ("prefill", "prefill_dense_cudnn")),
-    ("kernels_h200_v1_with_builtin.json", ("builtin_paged_decode",)),
-    ("kernels_h200_v3_sweep.json", ("kv_write", "kv_write_xla_scatter")),
-    ("model_h200_v1_gather.json", ("gather_step",)),
-    ("model_h200_v2_decode.json", ("model_decode",)),
+    (
+        "kernels_h200_v6.json",
+        (
+            "decode",
+            "decode_window",
+            "builtin_paged_decode",
+            "prefill",
+            "prefill_dense_cudnn",
+            "kv_write",
+            "kv_write_xla_scatter",
+        ),
+    ),
+    ("model_h200_v3.json", ("gather_step", "model_decode")),
 ]
 
 
