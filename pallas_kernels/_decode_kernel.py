@@ -17,7 +17,8 @@ zero-initialised does), since a masked row still enters P V with weight 0.
 
 With `num_splits > 1` each block handles a contiguous share of the steps and writes
 unnormalised float32 partials (o, m, l); a small jnp combine merges them. head_dim 512 uses two
-compute warpgroups, each owning half of O (both compute S). fp8 (e4m3) pools are dequantised
+compute warpgroups, each owning half of O; with `split_scores` each contracts S over its half
+of head_dim and the two partial S are summed through SMEM, else both compute the whole S. fp8 (e4m3) pools are dequantised
 in SMEM to float16 per 64x128 chunk; the scales are folded into the logit scale and the output.
 
 Axis names: B sequences, Hkv KV heads, G query heads per KV head, D head_dim, S page_size,
@@ -55,21 +56,26 @@ class DecodeTuning:
         multiple or divisor of page_size.
     num_stages: SMEM ring depth (TMA steps in flight).
     num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
+    split_scores: head_dim 512 (two warpgroups, each owning half of O): each computes S over
+        its half of head_dim and the halves are summed through SMEM, instead of both
+        computing the whole S (default: on for 16-bit pools).
     """
 
     block_kv: int | None = None
     num_stages: int | None = None
     num_splits: int | None = None
+    split_scores: bool | None = None
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
+def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem, split_scores):
     item = jnp.dtype(pool_dtype).itemsize
     ring = num_stages * 2 * block_kv * head_dim * item
     q = ROWS * head_dim * cdtype.itemsize
     num_wgs = 2 if head_dim > 256 else 1
     p = num_wgs * ROWS * block_kv * 2 if p_in_smem else 0
     dequant = num_wgs * 2 * ROWS * 128 * 2 if _checks.is_fp8(pool_dtype) else 0
-    return ring + q + p + dequant + 2048  # barriers, reduction scratch
+    exchange = num_wgs * ROWS * block_kv * 4 if split_scores else 0
+    return ring + q + p + dequant + exchange + 2048  # barriers, reduction scratch
 
 
 def _pick(
@@ -97,12 +103,22 @@ def _pick(
         block_kv = {64: 128, 128: 64, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; a [64, 32] 16-bit P tile takes a 64-byte swizzle.
     pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
+    split = tuning.split_scores
+    if split is None:  # on where the exchange buffer fits beside the ring
+        stages = tuning.num_stages or 1
+        need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem, True)
+        split = head_dim > 256 and not fp8 and need <= SMEM_LIMIT
+    if split and (head_dim <= 256 or fp8):
+        raise ValueError(
+            "split_scores needs two warpgroups (head_dim 512) and a 16-bit pool, got "
+            f"head_dim={head_dim}, pool {jnp.dtype(pool_dtype)}"
+        )
     num_stages = tuning.num_stages
     if num_stages is None:
         # Two blocks per SM (measured: 4.2 vs 3.1 TB/s at head_dim 128) with >= 2 stages if
         # they fit in half the SMEM, else as many stages as one block per SM holds.
         def fits(stages, limit):
-            need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem)
+            need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem, split)
             return need <= limit
 
         half = SMEM_PER_SM // 2 - 1024
@@ -111,7 +127,7 @@ def _pick(
             num_stages = next((st for st in (4, 3, 2, 1) if fits(st, SMEM_LIMIT)), 1)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem)
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem, split)
     if need > SMEM_LIMIT:
         raise ValueError(
             f"decode kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
@@ -128,7 +144,7 @@ def _pick(
         num_splits = pick_splits(batch * num_kv_heads, NUM_SMS * per_sm, max(1, steps // 4))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return cdtype, block_kv, num_stages, num_splits
+    return cdtype, DecodeTuning(block_kv, num_stages, num_splits, bool(split))
 
 
 def pick_splits(blocks, slots, max_splits):
@@ -181,14 +197,12 @@ def _decode_call(
     k_scale,
     v_scale,
     group,
-    block_kv,
-    num_stages,
-    num_splits,
+    tuning,
     cdtype,
     q_dtype,
     interpret,
 ):
-    """Runs the kernel. q_tiles: [B, Hkv, 64, D] (compute dtype, rows >= G zero).
+    """Runs the kernel (`tuning`: resolved knobs, none None). q_tiles: [B, Hkv, 64, D] (compute dtype, rows >= G zero).
 
     Returns o [B, Hkv, G, D] (normalised, q dtype) when num_splits == 1, else float32 partials
     o [B, Hkv, NS, G, D], m and l [B, Hkv, NS, 64] (m in log2 units).
@@ -199,8 +213,9 @@ def _decode_call(
     fp8 = _checks.is_fp8(pool.dtype)
     num_wgs = 2 if head_dim > 256 else 1
     dv = head_dim // num_wgs
-    T = block_kv
+    T, num_stages, num_splits = tuning.block_kv, tuning.num_stages, tuning.num_splits
     split = num_splits > 1
+    split_scores = tuning.split_scores
     p_in_smem = pc.p_in_smem(interpret, head_dim)
 
     def body(kv_lens_ref, pt_ref, q_ref, pool_ref, scales_ref, *refs):
@@ -229,7 +244,21 @@ def _decode_call(
             else:
                 pl.when(wg == 0)(fn)
 
-        def main(q_smem, k_ring, v_ring, p_smem, deq, q_bar, k_bar, v_bar, k_done, v_done):
+        def main(
+            q_smem,
+            k_ring,
+            v_ring,
+            p_smem,
+            deq,
+            exchange,
+            q_bar,
+            k_bar,
+            v_bar,
+            k_done,
+            v_done,
+            s_full,
+            s_free,
+        ):
             p_smem = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
@@ -255,6 +284,8 @@ def _decode_call(
                 pc.ring_prologue(issue, st, n, num_stages)
 
             plgpu.barrier_wait(q_bar)
+            if split_scores:
+                plgpu.barrier_arrive(s_free)  # both partial-S buffers start free
 
             refill = functools.partial(
                 pc.ring_refill,
@@ -265,23 +296,52 @@ def _decode_call(
                 multi_wg=num_wgs > 1,
             )
 
+            def partial_scores(k_tile):
+                """This warpgroup's half of S = Q K^T: the contraction over its dv columns."""
+                cols = pl.ds(wg * dv, dv)
+
+                def run(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[:, cols], k_tile.at[:, cols].transpose((1, 0)))
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC((ROWS, T), jnp.float32))
+
+            def exchange_scores(s_own):
+                """S = both halves: each warpgroup posts its half in SMEM and adds the other's.
+
+                Float addition commutes, so both warpgroups get the same S bit for bit (and the
+                same softmax statistics). s_free: the other warpgroup has read my last half.
+                """
+                plgpu.barrier_wait(s_free)
+                exchange.at[wg][...] = s_own
+                plgpu.barrier_arrive(s_full)
+                plgpu.barrier_wait(s_full)
+                other = plgpu.load(exchange.at[1 - wg], layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(s_free)
+                return s_own + other
+
             def step(j, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, num_stages)
                 j_abs = st + j
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = pc.qk_block(
-                    q_smem,
-                    k_ring.at[slot],
-                    k_deq,
-                    fp8=fp8,
-                    cdtype=cdtype,
-                    head_dim=head_dim,
-                    block_kv=T,
-                )
+                if split_scores:
+                    s = partial_scores(k_ring.at[slot])
+                else:
+                    s = pc.qk_block(
+                        q_smem,
+                        k_ring.at[slot],
+                        k_deq,
+                        fp8=fp8,
+                        cdtype=cdtype,
+                        head_dim=head_dim,
+                        block_kv=T,
+                    )
                 refill(
                     k_done, 0, j=j, step=j_abs, slot=slot
                 )  # K of a later step streams in during P V
+                if split_scores:
+                    s = exchange_scores(s)
                 s = pc.softcap_logits(s * qk_scale, softcap)  # [64, T], log2 units
                 pos = j_abs * T + plgpu.broadcasted_iota(
                     jnp.int32, (ROWS, T), 1, layout=plgpu.Layout.WGMMA
@@ -304,7 +364,10 @@ def _decode_call(
                 refill(v_done, 1, j=j, step=j_abs, slot=slot)
                 return acc, m_i, l_i
 
-            return lax.fori_loop(0, n, step, pc.init_stats(dv))
+            stats = lax.fori_loop(0, n, step, pc.init_stats(dv))
+            if split_scores:
+                plgpu.barrier_wait(s_free)  # observe the last phase: both halves were read
+            return stats
 
         item = jnp.dtype(pool.dtype)
         p_swizzle = pc.row_swizzle(T, cdtype)
@@ -322,11 +385,14 @@ def _decode_call(
             plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))
             if fp8
             else None,
+            plgpu.SMEM((num_wgs, ROWS, T), jnp.float32) if split_scores else None,
             plgpu.Barrier(num_barriers=()),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             done if num_wgs > 1 else None,
             done if num_wgs > 1 else None,
+            plgpu.Barrier(num_arrivals=num_wgs) if split_scores else None,
+            plgpu.Barrier(num_arrivals=num_wgs) if split_scores else None,
         ]
         kw = dict(collective_axes="wg") if num_wgs > 1 else {}
         acc, m_i, l_i = pl.run_scoped(main, *scratch, **kw)
@@ -410,9 +476,7 @@ def combine_splits(o, m, l, group):
         "scale",
         "window",
         "softcap",
-        "block_kv",
-        "num_stages",
-        "num_splits",
+        "tuning",
         "interpret",
     ),
 )
@@ -427,22 +491,20 @@ def _decode_jit(
     scale,
     window,
     softcap,
-    block_kv,
-    num_stages,
-    num_splits,
+    tuning,
     interpret,
 ):
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = pool.shape
     group = num_q_heads // num_kv_heads
-    cdtype, block_kv, num_stages, num_splits = _pick(
+    cdtype, tuning = _pick(
         head_dim,
         page_size,
         pool.dtype,
         batch,
         num_kv_heads,
         page_table.shape[2],
-        DecodeTuning(block_kv, num_stages, num_splits),
+        tuning,
         pc.p_in_smem(interpret, head_dim),
         window,
     )
@@ -459,14 +521,12 @@ def _decode_jit(
         k_scale=k_scale,
         v_scale=v_scale,
         group=group,
-        block_kv=block_kv,
-        num_stages=num_stages,
-        num_splits=num_splits,
+        tuning=tuning,
         cdtype=cdtype,
         q_dtype=q.dtype,
         interpret=interpret,
     )
-    if num_splits > 1:
+    if tuning.num_splits > 1:
         out = combine_splits(*res, group).astype(q.dtype)
     else:
         out = res
@@ -484,11 +544,12 @@ def paged_decode_attention_pallas(
     softcap=None,
     k_scale=None,
     v_scale=None,
-    block_kv=None,
-    num_stages=None,
-    num_splits=None,
+    **tuning,
 ):
-    """Mosaic GPU paged decode attention (validated inputs; see `paged_attention.py`)."""
+    """Mosaic GPU paged decode attention (validated inputs; see `paged_attention.py`).
+
+    tuning: the `DecodeTuning` knobs (block_kv, num_stages, num_splits, split_scores).
+    """
     _check_supported(q, pool)
     ks, vs = _checks.kv_scales(pool, k_scale, v_scale)
     return _decode_jit(
@@ -501,8 +562,6 @@ def paged_decode_attention_pallas(
         scale=float(scale),
         window=window,
         softcap=None if softcap is None else float(softcap),
-        block_kv=block_kv,
-        num_stages=num_stages,
-        num_splits=num_splits,
+        tuning=DecodeTuning(**tuning),
         interpret=_checks.interpret_params(),
     )

@@ -295,6 +295,17 @@ DECODE_CASES = {
         None,
         {},
     ),
+    "d512_g4_whole_scores_split": (
+        [300, 129, 0],
+        8,
+        2,
+        512,
+        32,
+        jnp.bfloat16,
+        None,
+        20.0,
+        {"split_scores": False, "num_splits": 2},
+    ),
     "d128_g8_split_2stages": (
         [260, 3, 190],
         8,
@@ -671,6 +682,8 @@ def test_decode_lowers_for_gpu():
 
     for d, dtype, ps, tuning in [
         (512, jnp.bfloat16, 32, {}),
+        (512, jnp.bfloat16, 32, dict(split_scores=False)),
+        (512, jnp.bfloat16, 64, dict(block_kv=64, num_splits=2)),
         (512, jnp.float8_e4m3fn, 32, {}),
         (128, jnp.bfloat16, 64, dict(block_kv=32, num_stages=4)),
         (256, jnp.bfloat16, 16, dict(block_kv=32, num_splits=2)),
