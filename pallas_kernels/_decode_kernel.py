@@ -18,8 +18,9 @@ zero-initialised does), since a masked row still enters P V with weight 0.
 With `num_splits > 1` each block handles a contiguous share of the steps and writes
 unnormalised float32 partials (o, m, l); a small jnp combine merges them. head_dim 512 uses two
 compute warpgroups, each owning half of O; with `split_scores` each contracts S over its half
-of head_dim and the two partial S are summed through SMEM, else both compute the whole S. fp8 (e4m3) pools are dequantised
-in SMEM to float16 per 64x128 chunk; the scales are folded into the logit scale and the output.
+of head_dim and the two partial S are summed through SMEM, else both compute the whole S. fp8
+(e4m3) pools are dequantised in SMEM to float16 per 64x128 chunk; the scales are folded into the
+logit scale and the output.
 
 Axis names: B sequences, Hkv KV heads, G query heads per KV head, D head_dim, S page_size,
 T block_kv (tokens per step), NS num_splits.
@@ -202,7 +203,8 @@ def _decode_call(
     q_dtype,
     interpret,
 ):
-    """Runs the kernel (`tuning`: resolved knobs, none None). q_tiles: [B, Hkv, 64, D] (compute dtype, rows >= G zero).
+    """Runs the kernel. q_tiles: [B, Hkv, 64, D] (compute dtype, rows >= G zero); tuning: the
+    resolved knobs (none None).
 
     Returns o [B, Hkv, G, D] (normalised, q dtype) when num_splits == 1, else float32 partials
     o [B, Hkv, NS, G, D], m and l [B, Hkv, NS, 64] (m in log2 units).
