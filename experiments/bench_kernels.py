@@ -200,15 +200,12 @@ def run_decode(records, args, quick):
             if sweep:
                 # Split-K x ring shapes. Rings at 128 were swept in v3 (NOTES.md); 32-token
                 # steps (v6) fit two stages beside the 64 KB Q tile at head_dim 512, and two
-                # 2-stage blocks per SM at 256; v7: S split between the warpgroups at 512.
+                # 2-stage blocks per SM at 256.
                 # (An L2 prefetch knob swept in v5 was slower everywhere and was removed.)
                 splits = (None, 1, 2, 4) if batch == 128 else (None, 2, 4, 8)
                 rings = {
                     256: [{}, dict(block_kv=32, num_stages=2), dict(block_kv=32, num_stages=4)],
-                    512: [
-                        dict(block_kv=32, split_scores=False),
-                        dict(block_kv=32, split_scores=True),
-                    ],
+                    512: [dict(block_kv=64), dict(block_kv=32)],
                 }.get(d, [{}])
                 tunings = [dict(r, num_splits=s) for r in rings for s in splits]
             best = None

@@ -17,10 +17,10 @@ zero-initialised does), since a masked row still enters P V with weight 0.
 
 With `num_splits > 1` each block handles a contiguous share of the steps and writes
 unnormalised float32 partials (o, m, l); a small jnp combine merges them. head_dim 512 uses two
-compute warpgroups, each owning half of O; with `split_scores` each contracts S over its half
-of head_dim and the two partial S are summed through SMEM, else both compute the whole S. fp8
-(e4m3) pools are dequantised in SMEM to float16 per 64x128 chunk; the scales are folded into the
-logit scale and the output.
+compute warpgroups, each owning half of O (both compute S; splitting its contraction between
+them, the halves summed through SMEM, measured slower: `experiments/NOTES.md`, v7). fp8 (e4m3)
+pools are dequantised in SMEM to float16 per 64x128 chunk; the scales are folded into the logit
+scale and the output.
 
 Axis names: B sequences, Hkv KV heads, G query heads per KV head, D head_dim, S page_size,
 T block_kv (tokens per step), NS num_splits.
@@ -57,26 +57,21 @@ class DecodeTuning:
         multiple or divisor of page_size.
     num_stages: SMEM ring depth (TMA steps in flight).
     num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
-    split_scores: head_dim 512 (two warpgroups, each owning half of O): each computes S over
-        its half of head_dim and the halves are summed through SMEM, instead of both
-        computing the whole S (default: on for 16-bit pools).
     """
 
     block_kv: int | None = None
     num_stages: int | None = None
     num_splits: int | None = None
-    split_scores: bool | None = None
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem, split_scores):
+def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
     item = jnp.dtype(pool_dtype).itemsize
     ring = num_stages * 2 * block_kv * head_dim * item
     q = ROWS * head_dim * cdtype.itemsize
     num_wgs = 2 if head_dim > 256 else 1
     p = num_wgs * ROWS * block_kv * 2 if p_in_smem else 0
     dequant = num_wgs * 2 * ROWS * 128 * 2 if _checks.is_fp8(pool_dtype) else 0
-    exchange = num_wgs * ROWS * block_kv * 4 if split_scores else 0
-    return ring + q + p + dequant + exchange + 2048  # barriers, reduction scratch
+    return ring + q + p + dequant + 2048  # barriers, reduction scratch
 
 
 def _pick(
@@ -104,22 +99,12 @@ def _pick(
         block_kv = {64: 128, 128: 64, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; a [64, 32] 16-bit P tile takes a 64-byte swizzle.
     pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
-    split = tuning.split_scores
-    if split is None:  # on where the exchange buffer fits beside the ring
-        stages = tuning.num_stages or 1
-        need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem, True)
-        split = head_dim > 256 and not fp8 and need <= SMEM_LIMIT
-    if split and (head_dim <= 256 or fp8):
-        raise ValueError(
-            "split_scores needs two warpgroups (head_dim 512) and a 16-bit pool, got "
-            f"head_dim={head_dim}, pool {jnp.dtype(pool_dtype)}"
-        )
     num_stages = tuning.num_stages
     if num_stages is None:
         # Two blocks per SM (measured: 4.2 vs 3.1 TB/s at head_dim 128) with >= 2 stages if
         # they fit in half the SMEM, else as many stages as one block per SM holds.
         def fits(stages, limit):
-            need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem, split)
+            need = _smem_bytes(head_dim, block_kv, stages, pool_dtype, cdtype, p_in_smem)
             return need <= limit
 
         half = SMEM_PER_SM // 2 - 1024
@@ -128,7 +113,7 @@ def _pick(
             num_stages = next((st for st in (4, 3, 2, 1) if fits(st, SMEM_LIMIT)), 1)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem, split)
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem)
     if need > SMEM_LIMIT:
         raise ValueError(
             f"decode kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
@@ -145,7 +130,7 @@ def _pick(
         num_splits = pick_splits(batch * num_kv_heads, NUM_SMS * per_sm, max(1, steps // 4))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    return cdtype, DecodeTuning(block_kv, num_stages, num_splits, bool(split))
+    return cdtype, DecodeTuning(block_kv, num_stages, num_splits)
 
 
 def pick_splits(blocks, slots, max_splits):
@@ -217,7 +202,6 @@ def _decode_call(
     dv = head_dim // num_wgs
     T, num_stages, num_splits = tuning.block_kv, tuning.num_stages, tuning.num_splits
     split = num_splits > 1
-    split_scores = tuning.split_scores
     p_in_smem = pc.p_in_smem(interpret, head_dim)
 
     def body(kv_lens_ref, pt_ref, q_ref, pool_ref, scales_ref, *refs):
@@ -246,21 +230,7 @@ def _decode_call(
             else:
                 pl.when(wg == 0)(fn)
 
-        def main(
-            q_smem,
-            k_ring,
-            v_ring,
-            p_smem,
-            deq,
-            exchange,
-            q_bar,
-            k_bar,
-            v_bar,
-            k_done,
-            v_done,
-            s_full,
-            s_free,
-        ):
+        def main(q_smem, k_ring, v_ring, p_smem, deq, q_bar, k_bar, v_bar, k_done, v_done):
             p_smem = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
@@ -286,8 +256,6 @@ def _decode_call(
                 pc.ring_prologue(issue, st, n, num_stages)
 
             plgpu.barrier_wait(q_bar)
-            if split_scores:
-                plgpu.barrier_arrive(s_free)  # both partial-S buffers start free
 
             refill = functools.partial(
                 pc.ring_refill,
@@ -298,52 +266,23 @@ def _decode_call(
                 multi_wg=num_wgs > 1,
             )
 
-            def partial_scores(k_tile):
-                """This warpgroup's half of S = Q K^T: the contraction over its dv columns."""
-                cols = pl.ds(wg * dv, dv)
-
-                def run(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[:, cols], k_tile.at[:, cols].transpose((1, 0)))
-                    return acc_ref[...]
-
-                return pl.run_scoped(run, plgpu.ACC((ROWS, T), jnp.float32))
-
-            def exchange_scores(s_own):
-                """S = both halves: each warpgroup posts its half in SMEM and adds the other's.
-
-                Float addition commutes, so both warpgroups get the same S bit for bit (and the
-                same softmax statistics). s_free: the other warpgroup has read my last half.
-                """
-                plgpu.barrier_wait(s_free)
-                exchange.at[wg][...] = s_own
-                plgpu.barrier_arrive(s_full)
-                plgpu.barrier_wait(s_full)
-                other = plgpu.load(exchange.at[1 - wg], layout=plgpu.Layout.WGMMA)
-                plgpu.barrier_arrive(s_free)
-                return s_own + other
-
             def step(j, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(j, num_stages)
                 j_abs = st + j
                 plgpu.barrier_wait(k_bar.at[slot])
-                if split_scores:
-                    s = partial_scores(k_ring.at[slot])
-                else:
-                    s = pc.qk_block(
-                        q_smem,
-                        k_ring.at[slot],
-                        k_deq,
-                        fp8=fp8,
-                        cdtype=cdtype,
-                        head_dim=head_dim,
-                        block_kv=T,
-                    )
+                s = pc.qk_block(
+                    q_smem,
+                    k_ring.at[slot],
+                    k_deq,
+                    fp8=fp8,
+                    cdtype=cdtype,
+                    head_dim=head_dim,
+                    block_kv=T,
+                )
                 refill(
                     k_done, 0, j=j, step=j_abs, slot=slot
                 )  # K of a later step streams in during P V
-                if split_scores:
-                    s = exchange_scores(s)
                 s = pc.softcap_logits(s * qk_scale, softcap)  # [64, T], log2 units
                 pos = j_abs * T + plgpu.broadcasted_iota(
                     jnp.int32, (ROWS, T), 1, layout=plgpu.Layout.WGMMA
@@ -366,10 +305,7 @@ def _decode_call(
                 refill(v_done, 1, j=j, step=j_abs, slot=slot)
                 return acc, m_i, l_i
 
-            stats = lax.fori_loop(0, n, step, pc.init_stats(dv))
-            if split_scores:
-                plgpu.barrier_wait(s_free)  # observe the last phase: both halves were read
-            return stats
+            return lax.fori_loop(0, n, step, pc.init_stats(dv))
 
         item = jnp.dtype(pool.dtype)
         p_swizzle = pc.row_swizzle(T, cdtype)
@@ -387,14 +323,11 @@ def _decode_call(
             plgpu.SMEM((num_wgs, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))
             if fp8
             else None,
-            plgpu.SMEM((num_wgs, ROWS, T), jnp.float32) if split_scores else None,
             plgpu.Barrier(num_barriers=()),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             done if num_wgs > 1 else None,
             done if num_wgs > 1 else None,
-            plgpu.Barrier(num_arrivals=num_wgs) if split_scores else None,
-            plgpu.Barrier(num_arrivals=num_wgs) if split_scores else None,
         ]
         kw = dict(collective_axes="wg") if num_wgs > 1 else {}
         acc, m_i, l_i = pl.run_scoped(main, *scratch, **kw)
@@ -550,7 +483,7 @@ def paged_decode_attention_pallas(
 ):
     """Mosaic GPU paged decode attention (validated inputs; see `paged_attention.py`).
 
-    tuning: the `DecodeTuning` knobs (block_kv, num_stages, num_splits, split_scores).
+    tuning: the `DecodeTuning` knobs (block_kv, num_stages, num_splits).
     """
     _check_supported(q, pool)
     ks, vs = _checks.kv_scales(pool, k_scale, v_scale)

@@ -295,7 +295,7 @@ DECODE_CASES = {
         None,
         {},
     ),
-    "d512_g4_whole_scores_split": (
+    "d512_g4_softcap_split": (
         [300, 129, 0],
         8,
         2,
@@ -304,7 +304,7 @@ DECODE_CASES = {
         jnp.bfloat16,
         None,
         20.0,
-        {"split_scores": False, "num_splits": 2},
+        {"num_splits": 2},
     ),
     "d128_g8_split_2stages": (
         [260, 3, 190],
@@ -682,7 +682,6 @@ def test_decode_lowers_for_gpu():
 
     for d, dtype, ps, tuning in [
         (512, jnp.bfloat16, 32, {}),
-        (512, jnp.bfloat16, 32, dict(split_scores=False)),
         (512, jnp.bfloat16, 64, dict(block_kv=64, num_splits=2)),
         (512, jnp.float8_e4m3fn, 32, {}),
         (128, jnp.bfloat16, 64, dict(block_kv=32, num_stages=4)),
