@@ -71,7 +71,7 @@ class PrefillTuning:
         O * alpha (default True).
     p_smem: P goes to the P V WGMMA through SMEM instead of registers (default False;
         interpret mode always uses SMEM).
-    The defaults are the fastest of the H200 sweep in `experiments/NOTES.md` (v5).
+    The defaults are the fastest of the H200 sweeps in `experiments/NOTES.md` (v5, v6).
     """
 
     block_kv: int | None = None
