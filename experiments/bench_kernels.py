@@ -447,6 +447,21 @@ def run_prefill(records, args, quick):
             records.append(rec)
         except Exception as e:  # noqa: BLE001
             records.append(dict(kernel="prefill", shape=shape, error=repr(e)[:400]))
+    add_ratio_to_d256(records)
+
+
+def add_ratio_to_d256(records):
+    """The head_dim-512 prefill target is relative to our own head_dim-256 rate (cuDNN has no
+    512): `ratio_to_d256` = its TFLOP/s over the head_dim-256 record's of the same run."""
+    rate = {
+        r["shape"]["head_dim"]: r["tflops"]
+        for r in records
+        if r.get("kernel") == "prefill" and "tflops" in r
+    }
+    for r in records:
+        if r.get("kernel") == "prefill" and "tflops" in r and r["shape"]["head_dim"] == 512:
+            if 256 in rate:
+                r["ratio_to_d256"] = r["tflops"] / rate[256]
 
 
 # %% kv_write
@@ -556,6 +571,7 @@ def main():
         val = r.get("tbs", r.get("tflops", float("nan")))
         unit = "TB/s" if "tbs" in r else "TFLOP/s"
         extra = f" x{r['ratio_to_cudnn']:.2f} cudnn" if "ratio_to_cudnn" in r else ""
+        extra += f" x{r['ratio_to_d256']:.3f} of d256" if "ratio_to_d256" in r else ""
         err = str(r.get("error", ""))[:90]
         print(
             f"{r['kernel']:<22} {desc:<78} {r.get('time_ms', float('nan')):9.3f} ms "

@@ -4,13 +4,15 @@ One run of `bench_kernels.py` writes the whole file; when the figures of the cur
 from several runs (the device time of a session is short), this script takes each kernel family
 from the run that measured the current version and records which run each record came from.
 
-    python experiments/collect_kernels_json.py
+    PYTHONPATH=. python3 experiments/collect_kernels_json.py
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+
+from experiments.bench_kernels import add_ratio_to_d256
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -52,6 +54,7 @@ def main():
         for record in run["records"]:
             if record["kernel"] in kernels:
                 out["records"].append({**record, "source": name})
+    add_ratio_to_d256(out["records"])  # both prefill records come from one run (SOURCES)
     (RESULTS / "kernels_h200.json").write_text(json.dumps(out, indent=1))
     for r in out["records"]:
         if r.get("kernel", "").endswith("_try"):
