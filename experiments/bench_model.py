@@ -23,7 +23,10 @@ Decode (`model_decode_records`): the engine's jitted step (`swajax._engine.step_
 decode, state and tables donated) on Gemma 3 4B with random bf16 weights, batch 64, every row
 at 8K context, bf16 KV, page 32. The state is built directly (reserve + advance to 8191 tokens
 of history, pools filled with random values; no prefill). floor_ms = (weight bytes + KV bytes
-read) / copy bandwidth.
+read) / copy bandwidth. Also per step: `device_busy_ms` / `device_span_ms` (profiler: union of
+kernel intervals / first start to last end), `device_ops` (kernels and copies in the trace) and
+`dispatch_ms` (host time per step when issuing several back to back: an upper bound on the
+host's cost).
 
 Timing: warm-up, then the median over `reps` of the mean time of `iters` back-to-back calls,
 blocked at the end.
@@ -455,7 +458,9 @@ def model_decode_records(
             jax.block_until_ready(call())  # compile
             compile_s = time.perf_counter() - t0
             t = time_calls(call, iters=iters, reps=reps, warmup=1)
-            # Host time to enqueue one step (the device still busy with the previous ones).
+            # Host time per step of `iters` steps issued back to back before blocking: an upper
+            # bound on the host's cost (a full launch queue also stalls the host), so a value
+            # below the device time means the step is device-bound.
             jax.block_until_ready(call())
             t0 = time.perf_counter()
             outs = [call() for _ in range(iters)]
@@ -463,7 +468,7 @@ def model_decode_records(
             jax.block_until_ready(outs)
             outs = None
             prof = device_kernel_times(call, iters)
-            launches = sum(k["count"] for k in prof["kernels"].values()) / iters
+            device_ops = sum(k["count"] for k in prof["kernels"].values()) / iters
             _, ok = call()
             if not bool(ok):
                 raise RuntimeError("a decode step's reserve failed: too few slots")
@@ -482,7 +487,7 @@ def model_decode_records(
                     tokens_per_s=batch / (t * 1e-3),
                     compile_s=compile_s,
                     dispatch_ms=dispatch_ms,
-                    kernel_launches=launches,
+                    device_ops=device_ops,
                     xla_flags=os.environ.get("XLA_FLAGS", ""),
                     device_busy_ms=prof["busy_us"] / 1e3 if prof["kernels"] else None,
                     device_span_ms=prof["span_us"] / 1e3 if prof["kernels"] else None,
@@ -517,7 +522,8 @@ def _print(res):
             extra = f"floor {r['floor_ms']:.3f} ms  x{r['ratio']:.2f}"
             if r.get("device_busy_ms"):
                 extra += f"  kernels {r['device_busy_ms']:.3f} ms"
-                extra += f" (span {r['device_span_ms']:.3f}, {r['kernel_launches']:.0f} launches)"
+                ops = r.get("device_ops", r.get("kernel_launches"))  # v3 files: kernel_launches
+                extra += f" (span {r['device_span_ms']:.3f}, {ops:.0f} device ops)"
             if "dispatch_ms" in r:
                 extra += f"  dispatch {r['dispatch_ms']:.3f} ms"
         print(

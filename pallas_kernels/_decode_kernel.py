@@ -53,7 +53,7 @@ NUM_SMS = 132
 class DecodeTuning:
     """Static knobs of the decode kernel (None = chosen from the shapes).
 
-    block_kv: tokens per pipeline step: a multiple of 64 (32 also for 16-bit pools) and a
+    block_kv: tokens per pipeline step: a multiple of 64 (or 32, for 16-bit pools) and a
         multiple or divisor of page_size.
     num_stages: SMEM ring depth (TMA steps in flight).
     num_splits: context splits per (sequence, KV head) (split-K), combined in float32.
@@ -98,7 +98,7 @@ def _pick(
         # beside the 64 KB Q tile; steps of 64 fit one stage only.
         block_kv = {64: 128, 128: 64, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; a [64, 32] 16-bit P tile takes a 64-byte swizzle.
-    pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
+    pc.check_block_kv(block_kv, page_size, allow_32=not fp8)
     num_stages = tuning.num_stages
     if num_stages is None:
         # Two blocks per SM (measured: 4.2 vs 3.1 TB/s at head_dim 128) with >= 2 stages if
@@ -127,27 +127,30 @@ def _pick(
             context = min(context, window + 2 * max(block_kv, page_size))
         steps = max(1, -(-context // block_kv))
         per_sm = 2 if need <= SMEM_PER_SM // 2 - 1024 else 1
-        num_splits = pick_splits(batch * num_kv_heads, NUM_SMS * per_sm, max(1, steps // 4))
+        num_splits = pick_splits(
+            batch * num_kv_heads, NUM_SMS * per_sm, max(1, steps // 4), 2 * NUM_SMS
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return cdtype, DecodeTuning(block_kv, num_stages, num_splits)
 
 
-def pick_splits(blocks, slots, max_splits):
+def pick_splits(blocks, slots, max_splits, min_blocks):
     """Split-K count for `blocks` (sequence, KV head) pairs on `slots` resident CUDA blocks.
 
     With s splits a block's work is 1/s and the launch takes ceil(blocks * s / slots) waves,
     so time goes as waves / s. Splits cost a combine and their partials (B=128, head_dim 256:
     4.49 ms unsplit, 4.76-4.97 with 2-4 splits), so among the counts within 10 % of the least
-    time: the fewest that give every slot two blocks, else the most. At B=32, head_dim 512 (64
-    pairs, 132 slots) five splits (three waves of 2/5) measured 2.31 ms, four (two of 1/2)
-    1.99 ms.
+    time: the fewest that launch at least `min_blocks` blocks (the kernel passes two per SM),
+    else the most. At B=32, head_dim 512 (64 pairs, 132 slots) five splits take three waves of
+    1/5 of a pair's work (3/5 in all) and measured 2.31 ms; four take two waves of 1/4 (1/2 in
+    all), 1.99 ms.
     """
     cands = range(1, min(max_splits, 16) + 1)
     cost = {s: -(-blocks * s // slots) / s for s in cands}
     best = min(cost.values())
     near = [s for s in cands if cost[s] <= best * 1.1]
-    return next((s for s in near if blocks * s >= 2 * slots), near[-1])
+    return next((s for s in near if blocks * s >= min_blocks), near[-1])
 
 
 def supports(q, pool, **tuning) -> bool:
@@ -156,8 +159,18 @@ def supports(q, pool, **tuning) -> bool:
     group = q.shape[1] // num_kv_heads
     if head_dim not in HEAD_DIMS or page_size not in PAGE_SIZES or group > MAX_GROUP:
         return False
+    p_smem = pc.p_in_smem(_checks.interpret_params(), head_dim)  # as the call will decide
     try:
-        _pick(head_dim, page_size, pool.dtype, q.shape[0], num_kv_heads, 1, DecodeTuning(**tuning))
+        _pick(
+            head_dim,
+            page_size,
+            pool.dtype,
+            q.shape[0],
+            num_kv_heads,
+            1,
+            DecodeTuning(**tuning),
+            p_smem,
+        )
     except (ValueError, TypeError):
         return False
     return True

@@ -45,11 +45,13 @@ def check_shape(kernel: str, head_dim: int, page_size: int) -> None:
         raise ValueError(f"{kernel} kernel page_size must be one of {PAGE_SIZES}, got {page_size}")
 
 
-def check_block_kv(block_kv: int, page_size: int, quantum: int = 64) -> None:
-    """block_kv: a multiple of `quantum` (64; the decode kernel allows 32 for 16-bit pools)
+def check_block_kv(block_kv: int, page_size: int, allow_32: bool = False) -> None:
+    """block_kv: a multiple of 64 (or 32 when `allow_32`: 16-bit pools, whose [64, 32] P tile
+    and V take a 64-byte swizzle; 96 or 160 would need K % 64 == 0 at the 128-byte swizzle)
     and a multiple or a divisor of page_size."""
-    if block_kv < quantum or block_kv % quantum:
-        raise ValueError(f"block_kv must be a multiple of {quantum}, got {block_kv}")
+    if not (block_kv >= 64 and block_kv % 64 == 0 or allow_32 and block_kv == 32):
+        allowed = "32 or a multiple of 64" if allow_32 else "a multiple of 64"
+        raise ValueError(f"block_kv must be {allowed}, got {block_kv}")
     if block_kv % page_size and page_size % block_kv:
         raise ValueError(
             f"block_kv ({block_kv}) must be a multiple or a divisor of page_size ({page_size})"

@@ -58,7 +58,7 @@ _NO_ROW = -(2**30)
 class PrefillTuning:
     """Static knobs (None = chosen from the shapes).
 
-    block_kv: keys per pipeline step: a multiple of 64 (32 also for 16-bit pools: at head_dim
+    block_kv: keys per pipeline step: a multiple of 64 (or 32, for 16-bit pools: at head_dim
         512 two ring stages then fit) and a multiple or divisor of page_size.
     num_stages: SMEM ring depth (default 2 at head_dim 256 and 512 for bf16/f16 pools, else
         1).
@@ -119,8 +119,9 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     # head_dim 512, 16-bit: 32-key steps, so that two ring stages fit beside the Q tile.
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; 16-bit pools may take 32-key steps (64-byte swizzle).
-    pc.check_block_kv(block_kv, page_size, quantum=64 if fp8 else 32)
-    # Measured on the H200 (8K tokens causal, `experiments/results/kernels_h200.json`): P in
+    pc.check_block_kv(block_kv, page_size, allow_32=not fp8)
+    # Measured on the H200 (8K tokens causal; `experiments/results/kernels_h200_v5_prefill_sweep`
+    # and `_v6_prefill_sweep_d512*.json`): P in
     # registers at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage
     # at head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
     # vs 475 with one); at 512 two pipelined stages of 32 keys (302 vs 238 with one stage of
@@ -158,7 +159,7 @@ def supports(q, pool, **tuning) -> bool:
     if head_dim not in HEAD_DIMS or page_size not in PAGE_SIZES:
         return False
     try:
-        _pick(head_dim, page_size, pool.dtype, PrefillTuning(**tuning))
+        _pick(head_dim, page_size, pool.dtype, PrefillTuning(**tuning), _checks.interpret_params())
     except (ValueError, TypeError):
         return False
     return True

@@ -245,6 +245,19 @@ def test_validation_errors():
         paged_decode_attention(
             q, pool, pt, kv, scale=1.0, implementation="reference", pages_per_step=2
         )
+    # 32 or a multiple of 64 (96 would reach WGMMA with K = 96 at a 128-byte swizzle).
+    with pytest.raises(ValueError, match="32 or a multiple of 64, got 96"):
+        paged_decode_attention(q, pool, pt, kv, scale=1.0, implementation="pallas", block_kv=96)
+    with pytest.raises(ValueError, match="a multiple of 64, got 32"):
+        paged_decode_attention(
+            q,
+            pool.astype(jnp.float8_e4m3fn),
+            pt,
+            kv,
+            scale=1.0,
+            implementation="pallas",
+            block_kv=32,
+        )
 
 
 # --------------------------------------------------------------------------- Pallas kernels
@@ -649,16 +662,18 @@ def test_prefill_knobs_lower_for_gpu():
 
 
 def test_decode_split_count_counts_waves():
-    """Split-K by waves: 64 (sequence, head) pairs on 132 slots take 6 splits (three waves of
-    1/6 = 1/2; 5 would take three of 1/5), 512 pairs none (four waves either way), and a
-    window's few steps cap the count."""
+    """Split-K by waves: 64 (sequence, head) pairs on 132 slots take 6 splits (the fewest of
+    least time, three waves of 1/6 of a pair = 1/2, that launch 264 blocks; 5 would take
+    three waves of 1/5), 512 pairs none (four waves either way), 256 pairs two (264 blocks),
+    and few steps cap the count."""
     from pallas_kernels._decode_kernel import pick_splits
 
-    assert pick_splits(64, 132, 256) == 6
-    assert pick_splits(512, 132, 128) == 1
-    assert pick_splits(256, 132, 4) == 2
-    assert pick_splits(2, 132, 1) == 1
-    assert pick_splits(2, 264, 3) == 3
+    assert pick_splits(64, 132, 256, 264) == 6
+    assert pick_splits(512, 132, 128, 264) == 1
+    assert pick_splits(256, 132, 128, 264) == 2
+    assert pick_splits(256, 264, 128, 264) == 2  # two blocks per SM: 264 slots
+    assert pick_splits(2, 132, 1, 264) == 1
+    assert pick_splits(2, 264, 3, 264) == 3
 
 
 def test_decode_lowers_for_gpu():
