@@ -173,7 +173,8 @@ def work_list(q_starts, rows_per_block, num_work):
     total = cum[-1]
     w = jnp.arange(num_work, dtype=jnp.int32)
     w = jnp.where(w < total, total - 1 - w, w)  # reverse: the last (longest) tiles first
-    b = jnp.minimum(jnp.searchsorted(cum, w, side="right"), q_lens.shape[0] - 1)
+    b = jnp.searchsorted(cum, w, side="right", method="compare_all")  # no while loop
+    b = jnp.minimum(b, q_lens.shape[0] - 1)
     tile = w - (cum[b] - tiles[b])
     return jnp.stack([b.astype(jnp.int32), tile.astype(jnp.int32), (w < total).astype(jnp.int32)])
 

@@ -33,7 +33,11 @@ def token_slots(page_table, q_starts, kv_lens, num_tokens: int, page_size: int):
     """
     batch, _, max_blocks = page_table.shape
     t = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    owner = jnp.searchsorted(q_starts[1:], t, side="right").astype(jnp.int32)  # [T]
+    # compare_all: one fused [T, B] compare-and-count. The default binary search is a while
+    # loop: on the H200 a decode-size call spent ~26 us in its 8 iterations (two copies and two
+    # small kernels each) against 2.8 us in the write kernel.
+    owner = jnp.searchsorted(q_starts[1:], t, side="right", method="compare_all")
+    owner = owner.astype(jnp.int32)  # [T]
     in_batch = owner < batch
     b = jnp.minimum(owner, batch - 1)
     q_len = q_starts[b + 1] - q_starts[b]

@@ -20,7 +20,10 @@ from swajax._transforms import StepMetadata, layer_page_table
 def token_rows(meta: StepMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """(row, valid): the batch row owning each packed token, and whether it is a real token."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-    row = jnp.searchsorted(meta.q_starts[1:], t, side="right").astype(jnp.int32)
+    # One fused compare-and-count: the default binary search is a while loop, which on a GPU
+    # runs as several small kernels and copies per iteration.
+    row = jnp.searchsorted(meta.q_starts[1:], t, side="right", method="compare_all")
+    row = row.astype(jnp.int32)
     valid = t < meta.q_starts[-1]
     return jnp.minimum(row, meta.kv_lens.shape[0] - 1), valid
 
