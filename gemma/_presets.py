@@ -14,6 +14,8 @@ values raise `ValueError`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from gemma._config import (
     RopeConfig,
     TransformerConfig,
@@ -276,3 +278,81 @@ def gemma4_26b_a4b(**overrides) -> TransformerConfig:
 def gemma4_31b(**overrides) -> TransformerConfig:
     """Gemma 4 31B (text): 60 layers, width 5376, K=V full layers with 4 KV heads."""
     return preset("gemma4_31b", **overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGeometry:
+    """What the attention kernels see of a layer: heads, head width, window, logit scale.
+
+    `presets` names every preset with a layer of this geometry, in `PRESET_NAMES` order.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    scale: float
+    softcap: float | None
+    presets: tuple[str, ...]
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def id(self) -> str:
+        """A short name for test ids and benchmark records, e.g. 'q8kv1d512-full'."""
+        w = "full" if self.window is None else f"w{self.window}"
+        return f"q{self.num_q_heads}kv{self.num_kv_heads}d{self.head_dim}-{w}"
+
+
+def attention_geometries(names: tuple[str, ...] = PRESET_NAMES) -> tuple[AttentionGeometry, ...]:
+    """Every distinct attention geometry of the named presets (default: all ten).
+
+    Derived from each preset's `layer_specs`, so a new preset or a changed one is covered by
+    every test and benchmark that iterates over this list.
+    """
+    found: dict[tuple, list[str]] = {}
+    for name in names:
+        config = preset(name)
+        for spec in config.layer_specs:
+            key = (
+                config.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.window,
+                spec.scale,
+                spec.softcap,
+            )
+            users = found.setdefault(key, [])
+            if name not in users:
+                users.append(name)
+    return tuple(AttentionGeometry(*key, presets=tuple(users)) for key, users in found.items())
+
+
+def small_preset(name: str, *, num_layers: int | None = None, **overrides) -> TransformerConfig:
+    """Preset `name` with its attention geometry kept and everything else shrunk.
+
+    Heads, head widths, windows, RoPE, K=V, KV sharing, PLE and MoE stay as in the preset (so
+    kernels and the pool see the real geometry); width, MLP, vocabulary, experts and the PLE
+    width shrink so the model builds in seconds. `num_layers` defaults to the fewest layers
+    that keep the preset's features: one sliding/full period, plus as many again for presets
+    with KV-shared layers (which then keep a shared layer of each type).
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {list(PRESET_NAMES)}")
+    base, period = _PRESETS[name]
+    if num_layers is None:
+        num_layers = 2 * period if base.get("num_kv_shared_layers") else period
+    small = dict(num_layers=num_layers, hidden_size=128, intermediate_size=256, vocab_size=512)
+    if base.get("per_layer_input_dim"):
+        small["per_layer_input_dim"] = 16
+    if base.get("num_experts"):
+        small.update(num_experts=4, num_experts_per_token=2, moe_intermediate_size=64)
+    if base.get("num_kv_shared_layers") and "num_kv_shared_layers" not in overrides:
+        shared = num_layers - period if num_layers >= 2 * period else 0
+        layer_types = pattern_layer_types(base["family"], num_layers, period)
+        while shared > 0 and first_layer_without_writer(layer_types, shared) is not None:
+            shared -= 1
+        small["num_kv_shared_layers"] = shared
+    return preset(name, **{**small, **overrides})

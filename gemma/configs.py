@@ -3,6 +3,8 @@
 from gemma._config import RopeConfig, TransformerConfig
 from gemma._presets import (
     PRESET_NAMES,
+    AttentionGeometry,
+    attention_geometries,
     gemma3_1b,
     gemma3_4b,
     gemma3_12b,
@@ -14,10 +16,13 @@ from gemma._presets import (
     gemma4_e2b,
     gemma4_e4b,
     preset,
+    small_preset,
 )
 
 __all__ = [
     "PRESET_NAMES",
+    "AttentionGeometry",
+    "attention_geometries",
     "RopeConfig",
     "TransformerConfig",
     "gemma3_1b",
@@ -31,4 +36,5 @@ __all__ = [
     "gemma4_e2b",
     "gemma4_e4b",
     "preset",
+    "small_preset",
 ]

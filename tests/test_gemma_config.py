@@ -262,3 +262,33 @@ def test_gemma4_proportional_rope_frequencies():
     assert inv[1] == pytest.approx(1e6 ** (-2 / 512), rel=1e-6)
     linear = configs.gemma3_4b().rope_full.inv_freq(256)
     assert linear[1] == pytest.approx(1e6 ** (-2 / 256) / 8, rel=1e-6)
+
+
+def test_attention_geometries_cover_every_preset_layer():
+    geos = gemma.configs.attention_geometries()
+    keys = {(g.num_q_heads, g.num_kv_heads, g.head_dim, g.window, g.scale) for g in geos}
+    assert len(keys) == len(geos)
+    for name in gemma.configs.PRESET_NAMES:
+        c = gemma.configs.preset(name)
+        for s in c.layer_specs:
+            assert (c.num_heads, s.num_kv_heads, s.head_dim, s.window, s.scale) in keys
+    # Gemma 4 full layers: head_dim 512 with 1, 2 or 4 KV heads
+    assert {(g.num_kv_heads, g.head_dim) for g in geos if g.window is None} >= {
+        (1, 512),
+        (2, 512),
+        (4, 512),
+    }
+
+
+@pytest.mark.parametrize("name", gemma.configs.PRESET_NAMES)
+def test_small_preset_keeps_attention_geometry(name):
+    full, small = gemma.configs.preset(name), gemma.configs.small_preset(name)
+    geo = lambda c: {
+        (c.num_heads, s.num_kv_heads, s.head_dim, s.window, s.scale) for s in c.layer_specs
+    }
+    assert geo(small) == geo(full)
+    assert small.hidden_size < full.hidden_size and small.vocab_size < full.vocab_size
+    assert (small.num_kv_shared_layers > 0) == (full.num_kv_shared_layers > 0)
+    assert small.attention_k_eq_v == full.attention_k_eq_v
+    assert (small.num_experts > 0) == (full.num_experts > 0)
+    assert (small.per_layer_input_dim > 0) == (full.per_layer_input_dim > 0)
