@@ -332,10 +332,15 @@ class Engine:
                     "free_gpu_memory_fraction or shorten the request"
                 )
 
-    def lower_step(self, num_tokens: int, *, decode: bool):
-        """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
+    def lower_step(self, num_tokens: int, *, decode: bool, lowering_platforms=None):
+        """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection.
+
+        lowering_platforms: e.g. ("cuda",) to lower for a GPU on a machine without one (with
+        `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels).
+        """
         b = self.layout.max_batch
-        return self._step_function(decode, False, SamplingParams().mode).lower(
+        step = self._step_function(decode, False, SamplingParams().mode)
+        return step.trace(
             self.params,
             self.state,
             jnp.zeros((num_tokens,), jnp.int32),
@@ -344,7 +349,7 @@ class Engine:
             jax.random.key(0),
             SamplingParams().as_arrays(),
             self.tables,
-        )
+        ).lower(lowering_platforms=lowering_platforms)
 
     def _step_function(self, decode: bool, logits: bool, sampling_mode: str):
         key = (decode, logits, sampling_mode)

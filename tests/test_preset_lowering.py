@@ -112,3 +112,35 @@ def test_kv_write_kernel_lowers_for_cuda(geometry, dtype):
 
     args = (a["kv"], a["pool"], a["page_table"], a["q_starts"], a["kv_lens"])
     assert "mosaic_gpu" in lower_for_cuda(f, *args)
+
+
+@pytest.mark.parametrize("name", configs.PRESET_NAMES)
+def test_engine_steps_lower_for_cuda(name):
+    """A whole prefill step and decode step of every preset (small_preset: the real attention
+    geometry, KV sharing, K=V, PLE and MoE) lower for CUDA with the Pallas kernels: kv_write,
+    prefill, decode and the page-table gather, scratch reuse on and a chunk over the window."""
+    from flax import nnx
+
+    import gemma
+    import swajax
+
+    config = configs.small_preset(name)
+    model = gemma.Transformer(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
+    chunk = 2 * config.sliding_window
+    kv = swajax.KVCacheConfig(page_size=32, max_gpu_total_bytes=64 << 20)
+    engine = swajax.Engine(
+        model,
+        kv,
+        max_context=4 * chunk,
+        max_batch=4,
+        prefill_chunk_size=chunk,
+        implementation="pallas",
+    )
+    assert engine.layout.scratch
+    for num_tokens, decode in ((chunk, False), (8, True)):
+        with _checks.force_compiled():
+            lowered = engine.lower_step(num_tokens, decode=decode, lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text, (name, decode)
