@@ -108,7 +108,7 @@ def test_preset_generates_with_pallas_kernels(name, monkeypatch):
                 model, prompts, implementation="reference", scratch=True
             )
         finally:
-            swajax._engine.step_function.cache_clear()  # no patched step outlives this
+            swajax._runner.step_function.cache_clear()  # no patched step outlives this
     for scratch in (True, False):
         tokens, logits = generate(model, prompts, implementation="pallas", scratch=scratch)
         assert_same_up_to_near_ties(ref_tokens, ref_logits, tokens, logits)
