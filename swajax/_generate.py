@@ -61,6 +61,7 @@ def generate(
     """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
+    max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
     prompts = validate_prompts(prompts, config.vocab_size, config.max_context, max_new_tokens)
     if max_batch is not None:
         max_batch = _validate.positive_int("max_batch", max_batch)

@@ -18,11 +18,12 @@ Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` t
    used), then the most recently admitted running requests are preempted (their rows freed;
    they wait at the head of the queue and are recomputed from prompt + generated tokens).
 3. Waiting requests are admitted in arrival order while rows, budget and slots last: a
-   request is admitted when its first step fits and leaves `headroom` slots free in every
-   group for the running rows to grow (no headroom when nothing else runs, so a request that
-   fits the pool alone always starts). A request starts from the longest cached prefix of its
-   tokens; one that shares a longer block-aligned prefix with a request whose prefill is about
-   to park it waits for that prefix.
+   request is admitted when its first step (its chunk, cut to the budget only) fits and
+   leaves `headroom` slots free in every group for the running rows to grow (no headroom
+   when nothing else runs, so a request that fits the pool alone always starts). A request
+   starts from the longest cached prefix of its tokens; one that shares a longer
+   block-aligned prefix with a request whose prefill is about to park it waits for that
+   prefix.
 Allocation is on demand: a request holds what the transforms hold after each step, never a
 reserved lifetime peak.
 
@@ -441,11 +442,13 @@ class Scheduler:
                 assert ok, (hit.row, row, k)
             self._plan_park(r, k)
             headroom = self.headroom if self.running else None
-            want = min(self._step_tokens(r), budget)
-            n = 0
-            while True:
-                n = self._largest_fit(row, want, planned, headroom)
-                if n > 0 or not self._evict(plan, used_sources | ({hit} if hit else set())):
+            # The first step as the budget allows, never cut to the free slots (a sliver of a
+            # prefill would hold slots only to be preempted as its neighbours grow).
+            n = min(self._step_tokens(r), budget)
+            protect = used_sources | ({hit} if hit else set())
+            while not self._fits(planned, self._need(row, n), headroom):
+                if not self._evict(plan, protect):
+                    n = 0
                     break
             if n == 0:  # does not fit: back to the head of the queue
                 self.ledger.free_rows([row])
