@@ -52,15 +52,30 @@ def device_free_bytes(device=None) -> int:
     return int(min(avail, CPU_FREE_BYTES_CAP))
 
 
+def round_quota(nbytes: int) -> int:
+    """A free-memory quota rounded down to 1/32 of the largest power of two in it (>= 64 MiB).
+
+    Free memory moves by a few MiB between engines and processes; the rounded quota does not,
+    so the same model and settings get the same layout (and reuse the same compiled steps).
+    """
+    if nbytes < 1:
+        return int(nbytes)
+    step = max(64 << 20, (1 << (int(nbytes).bit_length() - 1)) // 32)
+    return max(int(nbytes) // step * step, min(int(nbytes), 64 << 20))
+
+
 def kv_quota_bytes(kv_cache_config: KVCacheConfig, device=None) -> int:
-    """Byte quota of all pool roots: max_gpu_total_bytes, fraction * free memory, or the min."""
+    """Byte quota of all pool roots: max_gpu_total_bytes, fraction * free memory, or the min.
+
+    The free-memory part is rounded down by `round_quota` (deterministic layouts).
+    """
     cfg = kv_cache_config
     fraction = cfg.free_gpu_memory_fraction
     if cfg.max_gpu_total_bytes is not None and fraction is None:
         return int(cfg.max_gpu_total_bytes)
     if fraction is None:
         fraction = DEFAULT_FREE_MEMORY_FRACTION
-    quota = int(fraction * device_free_bytes(device))
+    quota = round_quota(int(fraction * device_free_bytes(device)))
     if cfg.max_gpu_total_bytes is not None:
         quota = min(quota, int(cfg.max_gpu_total_bytes))
     return quota

@@ -33,6 +33,7 @@ from flax import nnx
 
 from swajax import _validate
 from swajax._budget import request_slots
+from swajax._compilation_cache import enable_default_cache
 from swajax._config import KVCacheConfig, resolve_scratch_policy
 from swajax._layout import make_layout
 from swajax._ledger import SlotLedger
@@ -176,6 +177,13 @@ class Engine:
         requests' histories (a conversation's next turn starts from its last one).
       admission_headroom: fraction of each group's slots an admission leaves free for the
         running rows to grow (at least one slot; none when nothing else runs).
+      precompile: compile the greedy prefill and decode steps now (in parallel threads)
+        instead of at their first use.
+
+    Compiled steps are shared by every engine of the same model structure and layout (the
+    layout is deterministic: see `swajax._budget.round_quota`), and JAX's persistent
+    compilation cache is on by default (`swajax._compilation_cache`), so a new engine or a new
+    process compiles little or nothing.
     """
 
     def __init__(
@@ -191,7 +199,9 @@ class Engine:
         min_prefill_bucket: int | None = None,
         prefix_cache_rows: int = 0,
         admission_headroom: float = 0.01,
+        precompile: bool = False,
     ):
+        enable_default_cache()
         config = model.config
         cfg = kv_cache_config
         max_context = _validate.positive_int("max_context", max_context)
@@ -242,6 +252,8 @@ class Engine:
         self._ids = itertools.count()
         self._traces_at_start = trace_count(self.layout)
         self._reset_pool()
+        if precompile:
+            self.precompile()
 
     def _reset_pool(self) -> None:
         """A fresh pool, ledger and scheduler (every queued request is dropped)."""
@@ -646,32 +658,56 @@ class Engine:
                     bar.close()
             return outputs, stats
 
+    # ------------------------------------------------------------------ compilation
+
+    def step_buckets(self) -> list[tuple[int, bool]]:
+        """Every (token bucket, decode) step shape this engine can run."""
+        buckets, n = [], max(self.min_prefill_bucket, MIN_BUCKET)
+        while True:
+            t = min(1 << (n - 1).bit_length(), self.max_num_tokens)
+            buckets.append((t, False))
+            if t >= self.max_num_tokens:
+                break
+            n = t + 1
+        return [(_round_up(self.serving_rows, MIN_BUCKET), True), *buckets]
+
+    def precompile(self, modes=("greedy",)) -> None:
+        """Compiles every step shape of `step_buckets` for the sampling modes, in threads."""
+        import concurrent.futures
+
+        jobs = [(t, d, m) for t, d in self.step_buckets() for m in modes]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
+            list(pool.map(lambda job: self._lower(*job).compile(), jobs))
+
+    def _lower(self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None):
+        b, s = self.layout.max_batch, self.max_shares
+        sds = jax.ShapeDtypeStruct
+        inputs = StepInputs(
+            sds((num_tokens,), jnp.int32),
+            sds((num_tokens,), jnp.int32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.bool_),
+            sds((s, 3), jnp.int32),
+            sds((b,), jnp.bool_),
+            sds((s, 3), jnp.int32),
+            sds((b, 2), jnp.uint32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.float32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.float32),
+        )
+        step = self._step_function(decode, False, mode)
+        args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
+        return step.trace(*args).lower(lowering_platforms=lowering_platforms)
+
     # ------------------------------------------------------------------ inspection
 
     def lower_step(self, num_tokens: int, *, decode: bool, lowering_platforms=None):
-        """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection.
-
-        lowering_platforms: e.g. ("cuda",) to lower for a GPU on a machine without one (with
-        `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels).
+        """The `jax.stages.Lowered` greedy step for a token bucket, for HLO and memory
+        inspection. lowering_platforms: e.g. ("cuda",) to lower for a GPU on a machine without
+        one (with `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels).
         """
-        b, s = self.layout.max_batch, self.max_shares
-        inputs = StepInputs(
-            jnp.zeros((num_tokens,), jnp.int32),
-            jnp.full((num_tokens,), -1, jnp.int32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), bool),
-            jnp.zeros((s, 3), jnp.int32),
-            jnp.zeros((b,), bool),
-            jnp.zeros((s, 3), jnp.int32),
-            jnp.zeros((b, 2), jnp.uint32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), jnp.float32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.ones((b,), jnp.float32),
-        )
-        step = self._step_function(decode, False, "greedy")
-        args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
-        return step.trace(*args).lower(lowering_platforms=lowering_platforms)
+        return self._lower(num_tokens, decode, "greedy", lowering_platforms)
 
 
 def _check_seed(seed) -> int:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
+import jax
+from flax import nnx
+
 from swajax import _validate
 from swajax._config import KVCacheConfig
 from swajax._engine import Engine
@@ -19,6 +25,46 @@ def _round_context(n: int, page_size: int) -> int:
     """Engine context for n tokens: a power-of-two number of blocks (few distinct layouts)."""
     blocks = -(-n // page_size)
     return (1 << max(blocks - 1, 0).bit_length()) * page_size
+
+
+class _EngineCache:
+    """The engine of the last `generate` call, reused while the model and settings allow.
+
+    One engine is kept (its KV pool holds most of the device's free memory): a call with other
+    settings, a longer context or more rows than it has builds a new one, after dropping the
+    old. Changed parameters (the model was trained or edited since) are taken up again.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.model = None  # weakref
+        self.key = None
+        self.engine = None
+        self.leaves = ()
+
+    def get(self, model, key, max_context, rows, build):
+        with self.lock:
+            fresh = self.model is not None and self.model() is model and self.key == key
+            e = self.engine
+            if fresh and e.layout.max_context >= max_context and e.serving_rows >= rows:
+                leaves = jax.tree.leaves(nnx.state(model))
+                if any(a is not b for a, b in zip(leaves, self.leaves, strict=True)):
+                    e.params = nnx.split(model)[1]
+                    self.leaves = leaves
+                return e
+            self.engine = None  # free the old pool before the new one is made
+            self.engine = build()
+            self.model, self.key = weakref.ref(model), key
+            self.leaves = jax.tree.leaves(nnx.state(model))
+            return self.engine
+
+    def clear(self):
+        with self.lock:
+            self.model = self.key = self.engine = None
+            self.leaves = ()
+
+
+ENGINE_CACHE = _EngineCache()
 
 
 def generate(
@@ -58,6 +104,9 @@ def generate(
 
     Returns:
       The generated token ids of each prompt, in order.
+
+    The engine is kept for the next call with the same model and settings
+    (`swajax._generate.ENGINE_CACHE`; `.clear()` frees it), so repeated calls compile nothing.
     """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
@@ -67,15 +116,23 @@ def generate(
         max_batch = _validate.positive_int("max_batch", max_batch)
     rows = min(max_batch or cfg.max_batch or 16, len(prompts))
     longest = max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(
+    max_context = min(_round_context(longest, cfg.page_size), config.max_context)
+    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows)
+    engine = ENGINE_CACHE.get(
         model,
-        cfg,
-        max_context=min(_round_context(longest, cfg.page_size), config.max_context),
-        max_batch=rows,
-        max_num_tokens=max_num_tokens,
-        prefill_chunk_size=prefill_chunk_size,
-        implementation=implementation,
-        prefix_cache_rows=prefix_cache_rows,
+        key,
+        max_context,
+        rows,
+        lambda: Engine(
+            model,
+            cfg,
+            max_context=max_context,
+            max_batch=rows,
+            max_num_tokens=max_num_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            implementation=implementation,
+            prefix_cache_rows=prefix_cache_rows,
+        ),
     )
     outputs, _ = engine.run(
         prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
