@@ -338,8 +338,11 @@ class Scheduler:
         self.ledger.free_rows(released_a + rows_b)
         self._release = []
 
-    def _park_target(self, plan: StepPlan, protect: set) -> int | None:
-        row = self.cache.free_row()
+    def _park_target(self, plan: StepPlan, protect: set, taken: set) -> int | None:
+        """An empty cache row not in `taken` (evicting the least recently used entry if
+        needed), or None."""
+        used = {e.row for e in self.cache.entries.values()} | taken
+        row = next((r for r in self.cache.rows if r not in used), None)
         if row is not None:
             return row
         victim = self.cache.lru(protect=protect)
@@ -474,7 +477,7 @@ class Scheduler:
         for row, n in plan.new_tokens.items():
             r = self.rows[row]
             if r.park_at and r.fed + n == r.park_at and len(parks) < self.max_shares:
-                target = self._park_target(plan, used_sources)
+                target = self._park_target(plan, used_sources, {t for _, t in parks})
                 if target is not None:
                     parks.append((r, target))
                 else:

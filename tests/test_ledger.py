@@ -37,7 +37,7 @@ def _agree(layout, ledger, state):
     assert list(np.asarray(state.history)) == ledger.history
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1), num_steps=st.integers(1, 14))
 def test_ledger_matches_transforms(layout, seed, num_steps):
     rng = np.random.default_rng(seed)

@@ -226,7 +226,7 @@ def test_prefix_cache_parks_finished_history_and_next_turn_hits():
     assert plans[0].shares_a and plans[0].new_tokens[0] == 18 - 16
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=10),
     new=st.lists(st.integers(1, 12), min_size=10, max_size=10),
