@@ -41,7 +41,7 @@ FIXTURE_PYTHON ?= $(shell command -v python3.11 || echo $$HOME/.pyenv/versions/3
 FXVENV := .venv-fixtures
 fixtures:
 	@test -x $(FXVENV)/bin/python || $(FIXTURE_PYTHON) -m venv $(FXVENV)
-	$(FXVENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.17.0 safetensors numpy
+	$(FXVENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.17.0 safetensors numpy sentencepiece protobuf jinja2
 	$(FXVENV)/bin/python tests/fixtures/build_fixtures.py
 
 clean:
