@@ -3,7 +3,15 @@ attention hook, Hugging Face safetensors loading and Orbax parameter checkpoints
 checkpoint's tokenizer and chat template (`load_tokenizer`)."""
 
 from gemma import configs
-from gemma._checkpoint import SUPPORTED_ARCHITECTURES, from_pretrained, restore_params, save_params
+from gemma._checkpoint import (
+    SUPPORTED_ARCHITECTURES,
+    config_to_hf,
+    from_pretrained,
+    restore_params,
+    save_params,
+    save_pretrained,
+    saved_config,
+)
 from gemma._config import RopeConfig, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention, dense_attention_fn
 from gemma._hf_config import config_from_hf
@@ -19,6 +27,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "config_from_hf",
+    "config_to_hf",
     "configs",
     "dense_attention",
     "dense_attention_fn",
@@ -26,4 +35,6 @@ __all__ = [
     "load_tokenizer",
     "restore_params",
     "save_params",
+    "save_pretrained",
+    "saved_config",
 ]

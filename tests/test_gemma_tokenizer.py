@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 import gemma
@@ -226,3 +227,11 @@ def test_template_files_take_priority(tmp_path):
         tok.apply_chat_template(msgs)
     assert tok.apply_chat_template(msgs, chat_template="plain") == "hi"
     assert tok.apply_chat_template(msgs, chat_template="<{{ bos_token }}>") == "<<bos>>"
+
+
+def test_checkpoint_beside_the_tokenizer_loads():
+    model = gemma.from_pretrained(FIXTURES / "gemma3")
+    tok = gemma.load_tokenizer(FIXTURES / "gemma3")
+    assert model.config.vocab_size == tok.vocab_size
+    ids = tok.encode("Hello world")
+    assert model(jnp.asarray([ids])).shape == (1, len(ids), tok.vocab_size)
