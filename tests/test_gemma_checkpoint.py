@@ -222,12 +222,12 @@ def test_loaded_values_and_layouts(case_copy):
     raw = load_file(case_copy / "model.safetensors")
     model = gemma.from_pretrained(case_copy)
     q = raw["model.layers.2.self_attn.q_proj.weight"]  # [N*H, D]
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(
         model.layers[2].attn.q_proj[...], q.reshape(4, 16, 64).transpose(2, 0, 1)
     )
     o = raw["model.layers.2.self_attn.o_proj.weight"]  # [D, N*H]
-    np.testing.assert_array_equal(model.layers[2].attn.o_proj[...], o.T.reshape(4, 16, 64))
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(model.layers[2].attn.o_proj[...], o.T.reshape(4, 16, 64))
+    chex.assert_trees_all_equal(
         model.layers[7].mlp.down_proj[...], raw["model.layers.7.mlp.down_proj.weight"].T
     )
 
@@ -246,14 +246,10 @@ def test_orbax_round_trip(tmp_path):
     from_model = gemma.restore_params(
         gemma.Transformer(model.config, rngs=nnx.Rngs(9)), tmp_path / "params"
     )
-    expected = _leaves(model)
-    assert any("layer_scalar" in jax.tree_util.keystr(p) for p, _ in expected)
+    assert any("layer_scalar" in jax.tree_util.keystr(p) for p, _ in _leaves(model))
     for restored in (from_config, from_model):
-        got = _leaves(restored)
-        assert [p for p, _ in got] == [p for p, _ in expected]
-        for (path, a), (_, b) in zip(got, expected, strict=True):
-            assert a.dtype == b.dtype, path
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+        # Same tree paths, shapes and dtypes, equal values.
+        chex.assert_trees_all_equal(nnx.state(restored), nnx.state(model), strict=True)
     with pytest.raises(ValueError, match="already exists|exists"):
         gemma.save_params(model, tmp_path / "params")
     gemma.save_params(model, tmp_path / "params", overwrite=True)
@@ -320,7 +316,7 @@ def test_random_init_is_seeded():
     a = gemma.Transformer(config, rngs=nnx.Rngs(0))
     b = gemma.Transformer(config, rngs=nnx.Rngs(0))
     c = gemma.Transformer(config, rngs=nnx.Rngs(1))
-    np.testing.assert_array_equal(a.layers[1].moe.gate_proj[...], b.layers[1].moe.gate_proj[...])
+    chex.assert_trees_all_equal(a.layers[1].moe.gate_proj[...], b.layers[1].moe.gate_proj[...])
     assert not np.array_equal(a.embedding[...], c.embedding[...])
     assert a.layers[5].attn.k_proj is None  # KV-shared layer
     assert float(jnp.std(a.embedding[...])) == pytest.approx(0.02, rel=0.2)
@@ -349,7 +345,7 @@ def test_bad_tokens_raise(tokens, error, match):
 def test_token_range_includes_per_layer_vocab_and_positions_shape():
     config = tiny_gemma4(per_layer_input_vocab_size=32)
     model = gemma.Transformer(config, rngs=nnx.Rngs(0))
-    assert model(jnp.array([[0, 31]])).shape == (1, 2, 64)
+    chex.assert_shape(model(jnp.array([[0, 31]])), (1, 2, 64))
     with pytest.raises(ValueError, match=r"token id 40 is outside the vocabulary \[0, 32\)"):
         model(jnp.array([[0, 40]]))
     with pytest.raises(ValueError, match=r"positions shape \(1, 3\) must equal tokens shape"):

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import chex
 import jax.numpy as jnp
 import pytest
 
@@ -234,4 +235,4 @@ def test_checkpoint_beside_the_tokenizer_loads():
     tok = gemma.load_tokenizer(FIXTURES / "gemma3")
     assert model.config.vocab_size == tok.vocab_size
     ids = tok.encode("Hello world")
-    assert model(jnp.asarray([ids])).shape == (1, len(ids), tok.vocab_size)
+    chex.assert_shape(model(jnp.asarray([ids])), (1, len(ids), tok.vocab_size))
