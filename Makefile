@@ -7,7 +7,7 @@ ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell tools/find_python.sh 2>/dev/null)
 endif
 
-.PHONY: run test fixtures lint format venv gpu-test clean
+.PHONY: run test fixtures lint format venv gpu-test clean tiny-model
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	@if [ -z "$(PYTHON)" ]; then tools/find_python.sh >/dev/null; exit 1; fi
@@ -25,6 +25,11 @@ test: $(VENV)/.stamp
 	$(PY) -m ruff check swajax pallas_kernels gemma experiments tests
 	$(PY) -m ruff format --check swajax pallas_kernels gemma experiments tests
 	$(PY) -m pytest -m "not gpu" -n 2 -q
+
+# The tiny trained example model (committed under experiments/tiny_model/; this rebuilds it,
+# with its Orbax twin in experiments/tiny_model_orbax/). A few CPU minutes.
+tiny-model: $(VENV)/.stamp
+	$(PY) experiments/train_tiny.py
 
 gpu-test: $(VENV)/.stamp
 	$(PY) -m pytest -m gpu -q
