@@ -1,12 +1,16 @@
 """The committed tiny trained model (experiments/tiny_model/, built by experiments/train_tiny.py):
-it loads with its tokenizer and greedy generation continues a rhyme of its corpus; and a
-smoke run of the training script at a few steps."""
+it loads with its tokenizer, greedy generation continues a rhyme of its corpus, and tokens and
+logits equal what transformers makes of the same directory (tiny_model_oracle.json, built by
+make fixtures); and a smoke run of the training script at a few steps."""
 
+import hashlib
 import importlib.util
 import json
 import pathlib
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gemma
@@ -14,6 +18,11 @@ import swajax
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 TINY = EXPERIMENTS / "tiny_model"
+HF = json.loads(
+    (
+        pathlib.Path(__file__).parent / "fixtures" / "tokenizers" / "tiny_model_oracle.json"
+    ).read_text()
+)
 
 
 def _load_train_tiny():
@@ -36,6 +45,8 @@ def tiny():
 
 def test_tiny_model_files(tiny):
     model, tok = tiny
+    sha = hashlib.sha256((TINY / "model.safetensors").read_bytes()).hexdigest()
+    assert sha == HF["model_safetensors_sha256"], "retrained: rebuild the oracle (make fixtures)"
     assert model.config == train_tiny.tiny_config(tok.vocab_size)
     assert tok.eos_token_ids == (tok.eos_token_id, tok.end_of_turn_id) == (1, 6)
     size = sum(p.stat().st_size for p in TINY.iterdir())
@@ -63,6 +74,17 @@ def test_greedy_generation_continues_a_rhyme(tiny):
     )
     assert tok.decode(out[0]).startswith(rest[:40]), tok.decode(out[0])
     assert tok.decode(out[1]).startswith(rhymes["Jack and Jill"][:40]), tok.decode(out[1])
+    # transformers loads the directory save_pretrained wrote and generates the same tokens.
+    assert chat == HF["prompt_ids"]
+    assert out[1] == HF["greedy_ids"]
+
+
+def test_logits_match_transformers(tiny):
+    model, _ = tiny
+    logits = np.asarray(model(jnp.asarray([HF["prompt_ids"]]))[0, -1], np.float64)
+    expected = np.asarray(HF["last_logits"])
+    rel = np.linalg.norm(logits - expected) / np.linalg.norm(expected)
+    assert rel <= 1e-4, rel
 
 
 def test_results_json_records_the_committed_run():
