@@ -267,6 +267,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab-size", type=int, default=640)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sample-tokens", type=int, default=64, help="greedy tokens per sample (0: no samples)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "tiny_model")
     parser.add_argument("--orbax-out", type=Path, default=HERE / "tiny_model_orbax")
     parser.add_argument("--results", type=Path, default=HERE / "results" / "train_tiny.json")
@@ -299,7 +302,9 @@ def main(argv=None) -> dict:
 
     gemma.save_pretrained(model, args.out)
     gemma.save_params(model, args.orbax_out.resolve(), overwrite=True)
-    samples = greedy_samples(model, tokenizer, rhymes)
+    samples = (
+        greedy_samples(model, tokenizer, rhymes, args.sample_tokens) if args.sample_tokens else []
+    )
     for s in samples:
         print(f"--- {s['prompt']!r}\n{s['completion']}")
     result = {

@@ -98,6 +98,8 @@ def test_train_script_smoke(tmp_path):
         [
             "--steps",
             "2",
+            "--sample-tokens",
+            "0",
             "--vocab-size",
             "400",
             "--out",
@@ -108,7 +110,7 @@ def test_train_script_smoke(tmp_path):
             str(tmp_path / "result.json"),
         ]
     )
-    assert len(result["samples"]) == 2
+    assert result["samples"] == [] and len(result["loss_every_50"]) == 1
     tok = gemma.load_tokenizer(tmp_path / "hf")
     assert tok.vocab_size == 400
     model = gemma.from_pretrained(tmp_path / "hf")
