@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call: the stages named on the command line, in order, each logged under $OUT.
+#   SWAJAX_GIT_COMMIT=<sha> bash experiments/run_h200.sh gpu-tests kernels presets generate cold
+# A persistent JAX compilation cache under /tmp is shared by every stage and by later calls
+# to the same warm machine. Stages stop at their own time limit (seconds, STAGE_LIMIT_<name>).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export SWAJAX_COMPILATION_CACHE_DIR=/tmp/swajax-jax-cache
+export JAX_COMPILATION_CACHE_DIR=/tmp/swajax-jax-cache
+mkdir -p /tmp/swajax-jax-cache
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+run() {  # name limit command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "[$name] rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+for stage in "$@"; do
+  case $stage in
+    gpu-tests)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
+        python3 -m pytest -m gpu -q -x -n 4 -p no:cacheprovider tests/ ;;
+    gpu-tests-serial)
+      run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ;;
+    kernels)
+      run kernels "${STAGE_LIMIT_kernels:-300}" python3 experiments/bench_kernels.py --presets \
+        --out "$OUT/kernels_presets_h200.json" ;;
+    presets)
+      run presets "${STAGE_LIMIT_presets:-560}" python3 experiments/bench_presets.py --timeout 240 \
+        --out "$OUT/presets_h200.json" ${PRESETS:+--presets $PRESETS} ;;
+    generate)
+      run generate "${STAGE_LIMIT_generate:-500}" python3 experiments/bench_generate.py \
+        --out "$OUT/generate_h200.json" ;;
+    cold)
+      run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
+        --out "$OUT/cold_start_h200.json" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
