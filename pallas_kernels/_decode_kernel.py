@@ -392,7 +392,7 @@ def _decode_call(
             p_smem = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
-            issue = pc.page_issuer(
+            issue = pc.PageIssuer(
                 pool_ref,
                 pt_ref,
                 k_ring,

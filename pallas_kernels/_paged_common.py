@@ -1,10 +1,12 @@
 """Pieces shared by the Mosaic GPU paged attention kernels (decode and ragged prefill).
 
 `issue_pages` streams one pipeline step of K or V pages into an SMEM ring slot by TMA, the
-page ids read from the page table (`page_issuer` binds it to a CUDA block's K and V rings);
-`softmax_step` is the float32 online-softmax update in log2 units; `dequant` turns an fp8 SMEM
-chunk into float16 for WGMMA. Also the supported shapes and the trace-time checks of the tuning
-knobs both kernels share.
+page ids read from the page table (`step_pages`, then `copy_pages`; `PageIssuer` binds them to
+a CUDA block's K and V rings); `softmax_step` is the float32 online-softmax update in log2
+units, over the columns (keys along rows of the query tile) or the rows (the decode kernel's
+producer schedule, keys as WGMMA rows); `dequant` turns an fp8 SMEM chunk into float16 for
+WGMMA. Also the supported shapes and the trace-time checks of the tuning knobs both kernels
+share.
 
 Axis names: S page_size, T tokens per step (block_kv), D head_dim.
 """
@@ -138,18 +140,29 @@ def issue_pages(
     copy_pages(pool_ref, reads, ring.at[slot], bar.at[slot], kv_head=kv_head)
 
 
-def page_issuer(pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
-    """issue(role, step, slot): `issue_pages` into the K (role 0) or V (role 1) ring.
+class PageIssuer:
+    """issue(role, step, slot): `issue_pages` into the K (role 0) or V (role 1) ring;
+    `reads(role, step)` and `copy(role, reads, slot)` are its two halves.
 
     where: the keyword arguments of `issue_pages` that stay fixed for a CUDA block (b, kv_head,
     block_kv, page_size, lo_blk, hi_blk, max_blocks).
     """
 
-    def issue(role, step, slot):
-        ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-        issue_pages(pool_ref, pt_ref, ring, bar, slot=slot, role=role, step=step, **where)
+    def __init__(self, pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
+        self.pool_ref, self.pt_ref = pool_ref, pt_ref
+        self.rings = ((k_ring, k_bar), (v_ring, v_bar))
+        self.kv_head = where.pop("kv_head")
+        self.where = where
 
-    return issue
+    def reads(self, role, step):
+        return step_pages(self.pt_ref, role=role, step=step, **self.where)
+
+    def copy(self, role, reads, slot):
+        ring, bar = self.rings[role]
+        copy_pages(self.pool_ref, reads, ring.at[slot], bar.at[slot], kv_head=self.kv_head)
+
+    def __call__(self, role, step, slot):
+        self.copy(role, self.reads(role, step), slot)
 
 
 def ring_prologue(issue, first, n, num_stages):
@@ -166,7 +179,8 @@ def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, mult
     """After local step j (absolute `step`) used `slot` for `role`, loads step + num_stages.
 
     With several warpgroups each arrives on done[slot] and the leader waits for all of them
-    before it reuses the slot; one warpgroup's own program order suffices otherwise.
+    before it reuses the slot; one warpgroup's own program order suffices otherwise. The
+    leader reads the new page ids from GMEM before that wait, so their latency overlaps it.
     """
 
     @pl.when(j + num_stages < n)
@@ -175,9 +189,10 @@ def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, mult
             plgpu.barrier_arrive(done.at[slot])
 
         def reload():
+            reads = issue.reads(role, step + num_stages)
             if multi_wg:
                 plgpu.barrier_wait(done.at[slot])
-            issue(role, step + num_stages, slot)
+            issue.copy(role, reads, slot)
 
         leader(reload)
 
