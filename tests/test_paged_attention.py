@@ -834,6 +834,7 @@ def test_decode_lowers_for_gpu():
         (256, jnp.bfloat16, 16, dict(schedule="lockstep", block_kv=32, num_splits=2)),
         (256, jnp.bfloat16, 16, dict(schedule="producer", block_kv=128, num_stages=2)),
         (256, jnp.float8_e4m3fn, 64, dict(schedule="producer", fp8_scores="dequant")),
+        (512, jnp.bfloat16, 16, dict(schedule="producer", q_dtype=jnp.float32)),  # O^T out
         (128, jnp.bfloat16, 32, dict(schedule="producer", block_kv=64, num_stages=8, num_splits=3)),
     ]:
         assert "mosaic_gpu" in _lower_decode(8, 2, d, dtype, ps, **tuning), (d, dtype, tuning)
