@@ -17,8 +17,9 @@ ring as the A operand), the online softmax over the rows, P^T to SMEM, O^T += V^
 reads K and V from SMEM once plus a small Q^T, and the SMEM left over holds a deep ring: at
 head_dim 512 three 64 KB slots (128 KB in flight while one is consumed). fp8 pools: S^T on the
 fp8 tensor cores from the ring's K and the queries split into hi + lo fp8 parts
-(`split_queries`; or K dequantised to f16 first, `fp8_scores="dequant"`), V dequantised to an
-f16 tile on the CUDA cores while the S^T WGMMA runs; each step's fp8 bytes cross HBM once.
+(`split_queries`: one WGMMA with N = 2 x the padded group, the two column halves summed; or K
+dequantised to f16 first, `fp8_scores="dequant"`), V dequantised to an f16 tile on the CUDA
+cores while the S^T WGMMA runs; each step's fp8 bytes cross HBM once.
 
 lockstep (the v6 kernel): the query heads are the first G rows of a 64-row WGMMA tile (the
 rest zero); K/V stream through separate rings of `num_stages` steps, refilled by the compute
@@ -576,16 +577,18 @@ def _producer_call(
     q_dtype,
     interpret,
 ):
-    """The producer schedule. q_tiles: [B, Hkv, NQ, N, D]: the group's queries zero-padded to
-    N rows, in the compute dtype (NQ = 1), or for split-q fp8 the hi and lo fp8 parts of the
-    queries scaled by a power of two (NQ = 2); q_inv f32[B, Hkv]: the logit factor undoing
-    that scaling (1 otherwise).
+    """The producer schedule. q_tiles: [B, Hkv, R, D]: the group's queries zero-padded to
+    R = N rows in the compute dtype, or for split-q fp8 the hi (rows [0, N)) and lo (rows
+    [N, 2N)) fp8 parts of the queries scaled by a power of two (R = 2N); q_inv f32[B, Hkv]:
+    the logit factor undoing that scaling (1 otherwise).
 
     Returns, unsplit with a 16-bit q: o [B, Hkv, N, D] (normalised, q dtype); unsplit with a
     float32 q: o [B, Hkv, D, N] float32 (normalised); split: float32 partials o [B, Hkv, NS,
     D, N], m and l [B, Hkv, NS, N] (m in log2 units).
     """
-    batch, num_kv_heads, nq, n_pad, head_dim = q_tiles.shape
+    batch, num_kv_heads, q_rows, head_dim = q_tiles.shape
+    split_q = _checks.is_fp8(q_tiles.dtype)
+    n_pad = q_rows // 2 if split_q else q_rows
     _, page_size, _, _ = pool.shape
     max_blocks = page_table.shape[2]
     fp8 = _checks.is_fp8(pool.dtype)
@@ -626,8 +629,7 @@ def _producer_call(
 
             def producer():
                 """Warpgroup 1: only issues TMA copies, as far ahead as the ring allows."""
-                for i in range(nq):  # one copy per part: TMA strides up to 5 dims
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, h, i], q_smem.at[i], q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
                 for i in range(num_slots):
 
                     @pl.when(i < 2 * n)
@@ -648,7 +650,6 @@ def _producer_call(
                 """Warpgroup 0: S^T = K Q^T, softmax over the tokens (rows), O^T += V^T P^T."""
                 plgpu.barrier_wait(q_bar)
                 qk_scale = scale * pc.LOG2E * scales_ref[0] * q_inv_ref[b, h]
-                q_ops = [q_smem.at[i].transpose((1, 0)) for i in range(nq)]  # B: [D, N]
                 k_deq = deq.at[1] if dequant_k else None
                 v_deq = deq.at[0] if fp8 else None
 
@@ -669,15 +670,16 @@ def _producer_call(
                         k_op = k_deq
 
                     def scores(s_ref):
-                        for q_op in q_ops:  # split-q fp8: S^T = K hi^T + K lo^T
-                            plgpu.wgmma(s_ref, k_op, q_op)
+                        plgpu.wgmma(s_ref, k_op, q_smem.transpose((1, 0)))  # B: Q^T [D, R]
                         if fp8:  # V's dequant on the CUDA cores overlaps the WGMMA
                             plgpu.barrier_wait(full.at[v_slot])
                             _dequant_tile(ring.at[v_slot], v_deq)
                             release(2 * j + 1, v_slot)
                         return s_ref[...]
 
-                    s = pl.run_scoped(scores, plgpu.ACC((T, n_pad), f32))  # [T, N]
+                    s = pl.run_scoped(scores, plgpu.ACC((T, q_rows), f32))  # [T, R]
+                    if split_q:  # S^T = K hi^T + K lo^T
+                        s = s[:, :n_pad] + s[:, n_pad:]
                     if not dequant_k:
                         release(2 * j, k_slot)
                     s = pc.softcap_logits(s * qk_scale, softcap)  # log2 units
@@ -714,13 +716,13 @@ def _producer_call(
         deq_bufs = 2 if dequant_k else 1
         acc, m_i, l_i = pl.run_scoped(
             main,
-            plgpu.SMEM((nq, n_pad, head_dim), q_item, transforms=pc.transforms(q_item)),
+            plgpu.SMEM((q_rows, head_dim), q_item, transforms=pc.transforms(q_item)),
             plgpu.SMEM((num_slots, T, head_dim), item, transforms=ring_tf),
             plgpu.SMEM((n_pad, T), cdtype, transforms=pc.transforms(cdtype)),
             plgpu.SMEM((deq_bufs, T, head_dim), cdtype, transforms=pc.transforms(cdtype))
             if fp8
             else None,
-            plgpu.Barrier(num_arrivals=nq, num_barriers=()),
+            plgpu.Barrier(num_barriers=()),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_slots),
             plgpu.Barrier(num_arrivals=1, num_barriers=num_slots),
             collective_axes="wg",
@@ -871,12 +873,13 @@ def _decode_jit(
     )
     if tuning.schedule == "producer":
         n_pad = producer_rows(group)
+        pad = ((0, 0), (0, 0), (0, 0), (0, n_pad - group), (0, 0))
         if tuning.fp8_scores == "split_q":
-            q_tiles, q_inv = split_queries(q_groups)  # [B, Hkv, 2, G, D], [B, Hkv]
+            parts, q_inv = split_queries(q_groups)  # [B, Hkv, 2, G, D], [B, Hkv]
+            q_tiles = jnp.pad(parts, pad).reshape(batch, num_kv_heads, 2 * n_pad, head_dim)
         else:
-            q_tiles = q_groups.astype(cdtype)[:, :, None]  # [B, Hkv, 1, G, D]
+            q_tiles = jnp.pad(q_groups.astype(cdtype)[:, :, None], pad)[:, :, 0]  # [B,Hkv,N,D]
             q_inv = jnp.ones((batch, num_kv_heads), jnp.float32)
-        q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, 0), (0, n_pad - group), (0, 0)))
         res = _producer_call(kv_lens, page_table, q_tiles, q_inv, pool, **attention)
         if tuning.num_splits > 1:
             o, m, l = res
