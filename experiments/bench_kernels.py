@@ -23,8 +23,9 @@ record carries `preset`, the presets that use the geometry, and `geometry`, its 
 decode (bf16, page 32, B=128, 32K context) at each Gemma 4 full-layer geometry and the 31B
 sliding geometry without its window, under both decode schedules; every Gemma 4 sliding
 geometry with its window; fp8 next to bf16 at head_dim 128 (Gemma 3 27B, `ratio_to_bf16`) and
-at head_dim 512 (Gemma 4 E4B); prefill (8K tokens causal) at each Gemma 4 full-layer geometry
-with `ratio_to_d256` against the head_dim-256 rate of the same run; kv_write at decode size
+at head_dim 512 (Gemma 4 E4B); prefill (8K tokens causal) at each Gemma 4 full-layer geometry,
+default and `split_scores` (one record each), with `ratio_to_d256` against the head_dim-256
+rate of the same run; kv_write at decode size
 (128 sequences x 1 token) and at 8K tokens for every distinct (KV heads, head_dim), the Pallas
 kernel against XLA's scatter. The kernels of a section are compiled in a thread pool first
 (`--compile-threads`). `--quick --presets` runs every section on CPU at tiny sizes with the
@@ -370,8 +371,13 @@ PREFILL_SWEEP = {
         dict(block_kv=32, num_stages=2, pipeline=True, pv_in_place=False),
         dict(block_kv=32, num_stages=2, pipeline=True, mask_split=False),
         dict(block_kv=32, num_stages=1),
+        # v8: S contracted over half of head_dim per warpgroup, partials summed through SMEM.
+        dict(split_scores=True),
+        dict(split_scores=True, pipeline=False),
     ],
 }
+# --presets: head_dim-512 prefill variants measured in every run (the default first).
+PRESET_PREFILL_512 = [{}, dict(split_scores=True)]
 
 
 def run_prefill(records, args, quick):
@@ -800,9 +806,9 @@ def run_presets_prefill(records, args, quick, flush):
     if quick:
         cases = cases[:2]
     impl = "reference" if quick else "pallas"
-    sweep = [{}]
+    sweep = [{}] if quick else list(PRESET_PREFILL_512)
     if args.sweep and not quick:
-        sweep += PREFILL_SWEEP[512]
+        sweep += [t for t in PREFILL_SWEEP[512] if t not in sweep]
     sds = jax.ShapeDtypeStruct
     fns, jobs = {}, {}
     for c, (g, _) in enumerate(cases):
@@ -856,7 +862,7 @@ def run_presets_prefill(records, args, quick, flush):
         best = None
         for i, tuning in enumerate(sweep if d == 512 else [{}]):
             rec = dict(base, implementation=impl, tuning=tuning, compile_s=compiled[c, i][1])
-            if i > 0:
+            if i >= len(PRESET_PREFILL_512):  # --sweep extras
                 rec["kernel"] = "prefill_try"
             try:
                 t = bench(_executable(compiled[c, i], fns[c, i]), [call], iters=2 if quick else 10)
@@ -870,7 +876,8 @@ def run_presets_prefill(records, args, quick, flush):
             rate_256 = flops / (best * 1e-3) / 1e12
         del q, k, v, pool, call
     for r in records:
-        if r.get("kernel") == "prefill" and "tflops" in r and r["shape"]["head_dim"] == 512:
+        is_prefill = r.get("kernel") in ("prefill", "prefill_try") and "case" in r
+        if is_prefill and "tflops" in r and r["shape"]["head_dim"] == 512:
             if rate_256 is not None:
                 r["ratio_to_d256"] = r["tflops"] / rate_256
                 r["d256_reference"] = cases[0][0].id

@@ -255,6 +255,10 @@ def test_validation_errors():
     # The producer schedule's S^T has block_kv rows: WGMMA M, a multiple of 64.
     with pytest.raises(ValueError, match="a multiple of 64, got 32"):
         paged_decode_attention(q, pool, pt, kv, **pallas, schedule="producer", block_kv=32)
+    with pytest.raises(ValueError, match="split_scores needs head_dim 512"):
+        ragged_paged_attention(
+            q, pool, pt, jnp.array([0, 1, 2], jnp.int32), kv, **pallas, split_scores=True
+        )
     with pytest.raises(ValueError, match="schedule must be one of"):
         paged_decode_attention(q, pool, pt, kv, **pallas, schedule="warp")
     with pytest.raises(ValueError, match="num_stages must be >= 2 for the producer"):
@@ -701,6 +705,35 @@ PREFILL_KNOB_CASES = {
         None,
         dict(block_kv=32, num_stages=2),
     ),
+    # split_scores: each warpgroup contracts S over its half of head_dim (partials summed
+    # through SMEM), pipelined (the default two 32-key stages) and unpipelined; ragged rows,
+    # a window and a soft-cap.
+    "d512_ps32_split_scores_window_softcap": (
+        [70, 1, 0, 40],
+        [200, 33, 5, 40],
+        120,
+        2,
+        1,
+        512,
+        32,
+        jnp.bfloat16,
+        90,
+        25.0,
+        dict(split_scores=True),
+    ),
+    "d512_ps64_split_scores_nopipe": (
+        [66, 3],
+        [130, 70],
+        72,
+        2,
+        2,
+        512,
+        64,
+        jnp.bfloat16,
+        None,
+        None,
+        dict(split_scores=True, block_kv=32, num_stages=2, pipeline=False),
+    ),
     "d128_ps16_block32_nosplit": (
         [50, 20],
         [120, 20],
@@ -778,6 +811,8 @@ def test_prefill_knobs_lower_for_gpu():
         (256, jnp.bfloat16, dict(block_kv=64, num_stages=2, p_smem=True)),
         (512, jnp.bfloat16, dict(pipeline=True)),
         (512, jnp.bfloat16, dict(block_kv=32, num_stages=2)),
+        (512, jnp.bfloat16, dict(split_scores=True)),
+        (512, jnp.bfloat16, dict(split_scores=True, pipeline=False, pv_in_place=False)),
         (128, jnp.bfloat16, dict(block_kv=32, num_stages=3, p_smem=False)),
         (128, jnp.float8_e4m3fn, dict(num_stages=2)),
     ]:
