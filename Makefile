@@ -7,7 +7,7 @@ ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell tools/find_python.sh 2>/dev/null)
 endif
 
-.PHONY: run test fixtures lint format venv gpu-test clean
+.PHONY: run test fixtures lint format venv gpu-test clean tiny-model
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	@if [ -z "$(PYTHON)" ]; then tools/find_python.sh >/dev/null; exit 1; fi
@@ -26,6 +26,11 @@ test: $(VENV)/.stamp
 	$(PY) -m ruff format --check swajax pallas_kernels gemma experiments tests
 	$(PY) -m pytest -m "not gpu" -n 2 -q
 
+# The tiny trained example model (committed under experiments/tiny_model/; this rebuilds it,
+# with its Orbax twin in experiments/tiny_model_orbax/). A few CPU minutes.
+tiny-model: $(VENV)/.stamp
+	$(PY) experiments/train_tiny.py
+
 gpu-test: $(VENV)/.stamp
 	$(PY) -m pytest -m gpu -q
 
@@ -41,7 +46,7 @@ FIXTURE_PYTHON ?= $(shell command -v python3.11 || echo $$HOME/.pyenv/versions/3
 FXVENV := .venv-fixtures
 fixtures:
 	@test -x $(FXVENV)/bin/python || $(FIXTURE_PYTHON) -m venv $(FXVENV)
-	$(FXVENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.17.0 safetensors numpy
+	$(FXVENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.17.0 safetensors numpy sentencepiece protobuf jinja2
 	$(FXVENV)/bin/python tests/fixtures/build_fixtures.py
 
 clean:

@@ -19,7 +19,7 @@ changes). tbs = bytes written / time; `bytes_table` is the full materialisation
 L * B * 2 * NB * 4 per pool, `bytes_written` what the variant writes (in place: the changed
 tiles), `bytes_read` the base tables (+ the layer-0 K slice of `out` in place).
 
-Decode (`model_decode_records`): the engine's jitted step (`swajax._engine.step_function`,
+Decode (`model_decode_records`): the engine's jitted step (`swajax._runner.step_function`,
 decode, state and tables donated) on Gemma 3 4B with random bf16 weights, batch 64, every row
 at 8K context, bf16 KV, page 32. The state is built directly (reserve + advance to 8191 tokens
 of history, pools filled with random values; no prefill). floor_ms = (weight bytes + KV bytes
@@ -374,8 +374,7 @@ def model_decode_records(
     """One decode step of the paged Gemma 3 4B forward (see the module docstring)."""
     from flax import nnx
 
-    from swajax._engine import _bucket, initial_tables, step_function
-    from swajax._sampling import SamplingParams
+    from swajax._runner import StepInputs, initial_tables, step_function
 
     records = []
     batch, context, tpb = (2, 256, 16) if quick else (64, 8192, 32)
@@ -417,11 +416,28 @@ def model_decode_records(
     except Exception:  # noqa: BLE001
         return [_error("model_decode", shape)]
 
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, _bucket(batch)))
-    tokens = tokens.astype(jnp.int32)
-    new_tokens = jnp.ones((batch,), jnp.int32)
-    finished = jnp.zeros((batch,), bool)
-    sampling = SamplingParams().as_arrays()
+    # The engine's decode inputs: one token per row, each the row's previous sample (read on
+    # the device), no frees or shares, greedy.
+    num_tokens = -(-batch // 8) * 8
+    prev_rows = np.full(num_tokens, -1, np.int32)
+    prev_rows[:batch] = np.arange(batch)
+    inputs = StepInputs(
+        jnp.zeros((num_tokens,), jnp.int32),
+        jnp.asarray(prev_rows),
+        jnp.ones((batch,), jnp.int32),
+        jnp.zeros((batch,), bool),
+        jnp.zeros((0, 3), jnp.int32),
+        jnp.zeros((batch,), bool),
+        jnp.zeros((0, 3), jnp.int32),
+        jnp.zeros((batch, 2), jnp.uint32),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((batch,), jnp.float32),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.ones((batch,), jnp.float32),
+    )
+    first_tokens = jnp.asarray(
+        np.random.default_rng(0).integers(0, config.vocab_size, batch), jnp.int32
+    )
     box = call = None
     for impl in impls:
         try:
@@ -436,22 +452,14 @@ def model_decode_records(
                 sampling_mode="greedy",
             )
             tables = initial_tables(layout)
-            box = [decode_state(layout, context - 1, jax.random.key(1)), tables]
+            box = [decode_state(layout, context - 1, jax.random.key(1)), tables, first_tokens]
             count = [0]
 
             def call(step=step, box=box, count=count):
-                box[0], next_tokens, ok, _, _, box[1] = step(
-                    params,
-                    box[0],
-                    tokens,
-                    new_tokens,
-                    finished,
-                    jax.random.key(count[0]),
-                    sampling,
-                    box[1],
-                )
+                out = step(params, box[0], box[1], box[2], inputs)
+                box[0], box[1], box[2] = out.state, out.tables, out.next_tokens
                 count[0] += 1
-                return next_tokens, ok
+                return out.next_tokens, out.ok
 
             iters, reps = (2, 2) if quick else (6, 5)
             t0 = time.perf_counter()

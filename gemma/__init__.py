@@ -1,24 +1,40 @@
 """Gemma 3 and Gemma 4 text models in Flax NNX: configs and presets, the model with its
-attention hook, Hugging Face safetensors loading and Orbax parameter checkpoints."""
+attention hook, Hugging Face safetensors loading and Orbax parameter checkpoints, and the
+checkpoint's tokenizer and chat template (`load_tokenizer`)."""
 
 from gemma import configs
-from gemma._checkpoint import SUPPORTED_ARCHITECTURES, from_pretrained, restore_params, save_params
+from gemma._checkpoint import (
+    SUPPORTED_ARCHITECTURES,
+    config_to_hf,
+    from_pretrained,
+    restore_params,
+    save_params,
+    save_pretrained,
+    saved_config,
+)
 from gemma._config import RopeConfig, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention, dense_attention_fn
 from gemma._hf_config import config_from_hf
+from gemma._tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 from gemma._transformer import Transformer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DenseAttentionState",
+    "IncrementalDecoder",
     "RopeConfig",
+    "Tokenizer",
     "Transformer",
     "TransformerConfig",
     "config_from_hf",
+    "config_to_hf",
     "configs",
     "dense_attention",
     "dense_attention_fn",
     "from_pretrained",
+    "load_tokenizer",
     "restore_params",
     "save_params",
+    "save_pretrained",
+    "saved_config",
 ]

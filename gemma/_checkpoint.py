@@ -1,19 +1,25 @@
-"""Checkpoints: Hugging Face safetensors directories in, Orbax parameter checkpoints in and out.
+"""Checkpoints: Hugging Face safetensors directories and Orbax checkpoints, in and out.
 
 `from_pretrained` reads config.json and `model.safetensors` (or the shards of
 `model.safetensors.index.json`) of `Gemma3ForCausalLM`, `Gemma4ForCausalLM`
 and the text part of the conditional-generation (multimodal) checkpoints,
 whose text weights sit under `model.language_model.` (vision / audio tensors
 are ignored). Torch Linear weights are [out, in]; they are transposed and
-split into the einsum layouts of `gemma._layers`.
+split into the einsum layouts of `gemma._layers`. Tensors of the text model that the config
+does not use are an error unless `strict=False`. `save_pretrained` writes the same layout
+back (config.json + model.safetensors). Orbax checkpoints (`save_params` / `restore_params`)
+hold the nnx state and the config it belongs to.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,35 +51,74 @@ _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", ""
 _LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 
 
-def _architecture(hf_config: dict) -> str:
-    architectures = hf_config.get("architectures") or []
+def _architecture(hf_config: dict, config_file: Path) -> str:
+    architectures = hf_config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    ):
+        raise ValueError(
+            f"{str(config_file)!r}: architectures must be a list of strings, got {architectures!r}"
+        )
     if architectures:
         name = architectures[0]
     else:
         name = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.get("model_type"))
         if name is None:
             raise ValueError(
-                f"config.json names no architecture and model_type "
+                f"{str(config_file)!r} names no architecture and model_type "
                 f"{hf_config.get('model_type')!r} is not supported; supported architectures: "
                 f"{list(SUPPORTED_ARCHITECTURES)}"
             )
     if name not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"unsupported architecture {name!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {name!r} in {str(config_file)!r}; supported: "
+            f"{list(SUPPORTED_ARCHITECTURES)}"
         )
     return name
+
+
+def _read_json_object(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} {str(path)!r} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_hf_config(directory) -> tuple[dict, TransformerConfig]:
+    """(config.json as a dict, its TransformerConfig); ValueError naming the file if malformed."""
+    config_file = Path(directory) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in {str(directory)!r}")
+    hf_config = _read_json_object(config_file, "model config")
+    _architecture(hf_config, config_file)
+    try:
+        return hf_config, config_from_hf(hf_config)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{str(config_file)!r}: {e}") from e
 
 
 class _SafetensorsIndex:
     """Name -> file of a single-file or sharded safetensors checkpoint; lazy tensor access."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         index_file = directory / "model.safetensors.index.json"
         single_file = directory / "model.safetensors"
         if index_file.exists():
-            weight_map = json.loads(index_file.read_text())["weight_map"]
+            index = _read_json_object(index_file, "safetensors index")
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v and Path(v).name == v
+                for k, v in weight_map.items()
+            ):
+                raise ValueError(
+                    f"safetensors index {str(index_file)!r} needs a 'weight_map' object of "
+                    f"tensor name -> shard file name, got {str(weight_map)[:200]}"
+                )
             files = sorted(set(weight_map.values()))
         elif single_file.exists():
             files = ["model.safetensors"]
@@ -83,10 +128,19 @@ class _SafetensorsIndex:
                 f"no model.safetensors or model.safetensors.index.json in {str(directory)!r}"
             )
         self._handles = {}
+        self._directory = directory
         for name in files:
-            if not (directory / name).exists():
-                raise ValueError(f"safetensors shard {name!r} listed in the index is missing")
-            self._handles[name] = safe_open(str(directory / name), framework="numpy")
+            if not (directory / name).is_file():
+                raise ValueError(
+                    f"safetensors shard {name!r} listed in {str(index_file)!r} is missing"
+                )
+            try:
+                self._handles[name] = safe_open(str(directory / name), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(
+                    f"safetensors file {str(directory / name)!r} is unreadable (truncated or "
+                    f"not safetensors?): {e}"
+                ) from e
         self._file_of = {}
         for name, handle in self._handles.items():
             for key in handle.keys():
@@ -94,7 +148,9 @@ class _SafetensorsIndex:
         if weight_map is not None:
             absent = sorted(k for k, f in weight_map.items() if self._file_of.get(k) != f)
             if absent:
-                raise ValueError(f"tensors listed in the index but not in their shard: {absent}")
+                raise ValueError(
+                    f"tensors listed in {str(index_file)!r} but not in their shard: {absent}"
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -106,23 +162,43 @@ class _SafetensorsIndex:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        return self._handles[self._file_of[name]].get_tensor(name)
+        from safetensors import SafetensorError
+
+        try:
+            return self._handles[self._file_of[name]].get_tensor(name)
+        except (SafetensorError, OSError, TypeError, ValueError) as e:
+            path = self._directory / self._file_of[name]
+            raise ValueError(f"cannot read tensor {name!r} of {str(path)!r}: {e}") from e
 
 
-def _hf_layout(config: TransformerConfig, model: Transformer):
-    """(hf name, hf shape, our Variable, convert) of every tensor; names relative to the prefix."""
+class _Entry(NamedTuple):
+    """One HF tensor (or, for experts.gate_up_proj, one half of it) and its model Variable."""
+
+    name: str  # relative to the text prefix; "/name" is absolute (lm_head)
+    shape: tuple[int, ...]  # HF shape
+    var: nnx.Variable
+    to_model: Callable  # HF array -> the Variable's layout
+    to_hf: Callable  # the Variable's layout -> HF array (its half for gate_up_proj)
+
+
+def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
+    """Every tensor of the HF checkpoint of `config`, in HF's order, with both conversions.
+
+    Torch Linear weights are [out, in]; the model keeps [in, out] and splits head axes.
+    Two entries share experts.gate_up_proj [E, 2F, D]: rows [0, F) are the gate, [F, 2F) up.
+    """
     c = config
     d = c.hidden_size
-    entries: list[tuple[str, tuple[int, ...], nnx.Variable, Callable]] = []
+    entries: list[_Entry] = []
 
-    def linear_t(w):  # [out, in] -> [in, out]
+    def transpose(w):  # [out, in] <-> [in, out]
         return w.T
 
     def same(w):
         return w
 
-    def add(name, shape, var, convert=same):
-        entries.append((name, tuple(shape), var, convert))
+    def add(name, shape, var, to_model=same, to_hf=same):
+        entries.append(_Entry(name, tuple(shape), var, to_model, to_hf))
 
     add("embed_tokens.weight", (c.vocab_size, d), model.embedding)
     add("norm.weight", (d,), model.final_norm.scale)
@@ -134,7 +210,8 @@ def _hf_layout(config: TransformerConfig, model: Transformer):
             "per_layer_model_projection.weight",
             (width, d),
             model.per_layer_model_projection,
-            linear_t,
+            transpose,
+            transpose,
         )
         add(
             "per_layer_projection_norm.weight",
@@ -150,61 +227,84 @@ def _hf_layout(config: TransformerConfig, model: Transformer):
         add(p + "post_attention_layernorm.weight", (d,), layer.post_attention_norm.scale)
         add(p + "pre_feedforward_layernorm.weight", (d,), layer.pre_ffw_norm.scale)
         add(p + "post_feedforward_layernorm.weight", (d,), layer.post_ffw_norm.scale)
-        # [N*H, D] -> [D, N, H]
+        # [N*H, D] <-> [D, N, H]
         add(
             p + "self_attn.q_proj.weight",
             (n * h, d),
             attn.q_proj,
             lambda w, n=n, h=h: w.reshape(n, h, -1).transpose(2, 0, 1),
+            lambda w, n=n, h=h: w.transpose(1, 2, 0).reshape(n * h, -1),
         )
-        # [D, N*H] -> [N, H, D]
+        # [D, N*H] <-> [N, H, D]
         add(
             p + "self_attn.o_proj.weight",
             (d, n * h),
             attn.o_proj,
             lambda w, n=n, h=h: w.T.reshape(n, h, -1),
+            lambda w, n=n, h=h: w.reshape(n * h, -1).T,
         )
         add(p + "self_attn.q_norm.weight", (h,), attn.q_norm.scale)
         if attn.writes_kv:
+            # [K*H, D] <-> [D, K, H]
             to_dkh = lambda w, kv=kv, h=h: w.reshape(kv, h, -1).transpose(2, 0, 1)  # noqa: E731
-            add(p + "self_attn.k_proj.weight", (kv * h, d), attn.k_proj, to_dkh)
+            from_dkh = lambda w, kv=kv, h=h: w.transpose(1, 2, 0).reshape(kv * h, -1)  # noqa: E731
+            add(p + "self_attn.k_proj.weight", (kv * h, d), attn.k_proj, to_dkh, from_dkh)
             if attn.v_proj is not None:
-                add(p + "self_attn.v_proj.weight", (kv * h, d), attn.v_proj, to_dkh)
+                add(p + "self_attn.v_proj.weight", (kv * h, d), attn.v_proj, to_dkh, from_dkh)
             add(p + "self_attn.k_norm.weight", (h,), attn.k_norm.scale)
         f = c.mlp_width(i)
-        add(p + "mlp.gate_proj.weight", (f, d), layer.mlp.gate_proj, linear_t)
-        add(p + "mlp.up_proj.weight", (f, d), layer.mlp.up_proj, linear_t)
-        add(p + "mlp.down_proj.weight", (d, f), layer.mlp.down_proj, linear_t)
+        add(p + "mlp.gate_proj.weight", (f, d), layer.mlp.gate_proj, transpose, transpose)
+        add(p + "mlp.up_proj.weight", (f, d), layer.mlp.up_proj, transpose, transpose)
+        add(p + "mlp.down_proj.weight", (d, f), layer.mlp.down_proj, transpose, transpose)
         if layer.moe is not None:
             e, fm = c.num_experts, c.moe_intermediate_size
             moe = layer.moe
-            add(p + "router.proj.weight", (e, d), moe.router_proj, linear_t)
+            add(p + "router.proj.weight", (e, d), moe.router_proj, transpose, transpose)
             add(p + "router.scale", (d,), moe.router_scale)
             add(p + "router.per_expert_scale", (e,), moe.per_expert_scale)
-            # gate_up_proj [E, 2F, D]: rows [0, F) gate, [F, 2F) up -> [E, D, F] each.
+
+            def experts_t(w):  # [E, F, D] <-> [E, D, F]
+                return w.transpose(0, 2, 1)
+
             add(
                 p + "experts.gate_up_proj",
                 (e, 2 * fm, d),
                 moe.gate_proj,
-                lambda w, fm=fm: w[:, :fm, :].transpose(0, 2, 1),
+                lambda w, fm=fm: experts_t(w[:, :fm, :]),
+                experts_t,
             )
             add(
                 p + "experts.gate_up_proj",
                 (e, 2 * fm, d),
                 moe.up_proj,
-                lambda w, fm=fm: w[:, fm:, :].transpose(0, 2, 1),
+                lambda w, fm=fm: experts_t(w[:, fm:, :]),
+                experts_t,
             )
-            add(p + "experts.down_proj", (e, d, fm), moe.down_proj, lambda w: w.transpose(0, 2, 1))
+            add(p + "experts.down_proj", (e, d, fm), moe.down_proj, experts_t, experts_t)
             add(p + "post_feedforward_layernorm_1.weight", (d,), layer.post_ffw_norm_1.scale)
             add(p + "pre_feedforward_layernorm_2.weight", (d,), layer.pre_ffw_norm_2.scale)
             add(p + "post_feedforward_layernorm_2.weight", (d,), layer.post_ffw_norm_2.scale)
         if layer.per_layer_input_gate is not None:
             pd = c.per_layer_input_dim
-            add(p + "per_layer_input_gate.weight", (pd, d), layer.per_layer_input_gate, linear_t)
-            add(p + "per_layer_projection.weight", (d, pd), layer.per_layer_projection, linear_t)
+            add(
+                p + "per_layer_input_gate.weight",
+                (pd, d),
+                layer.per_layer_input_gate,
+                transpose,
+                transpose,
+            )
+            add(
+                p + "per_layer_projection.weight",
+                (d, pd),
+                layer.per_layer_projection,
+                transpose,
+                transpose,
+            )
             add(p + "post_per_layer_input_norm.weight", (d,), layer.post_per_layer_input_norm.scale)
         if layer.layer_scalar is not None:
             add(p + "layer_scalar", (1,), layer.layer_scalar)
+    if not c.tie_word_embeddings:
+        add("/lm_head.weight", (c.vocab_size, d), model.lm_head, transpose, transpose)
     return entries
 
 
@@ -232,8 +332,29 @@ def abstract_model(config, dtype, param_dtype=None, moe_implementation="ragged")
     )
 
 
+def _summarise(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _unused_tensors(tensors, used: set[str], prefix: str, architecture: str) -> list[str]:
+    """Tensors of the text model (under the text prefix, or lm_head) the config does not use.
+
+    The other modalities of a conditional-generation checkpoint (vision / audio towers,
+    projectors) lie outside the text prefix and are not the text model's.
+    """
+    multimodal = architecture.endswith("ForConditionalGeneration")
+    unused = []
+    for name in tensors.keys():
+        if name in used:
+            continue
+        if name.startswith(prefix) or name in _LM_HEAD_NAMES or not multimodal:
+            unused.append(name)
+    return sorted(unused)
+
+
 def from_pretrained(
-    path, dtype=jnp.float32, *, param_dtype=None, moe_implementation="ragged"
+    path, dtype=jnp.float32, *, param_dtype=None, moe_implementation="ragged", strict=True
 ) -> Transformer:
     """A `Transformer` loaded from a Hugging Face checkpoint directory.
 
@@ -242,47 +363,72 @@ def from_pretrained(
         model.safetensors.index.json and its shards).
       dtype: compute dtype; also the parameter dtype unless `param_dtype` is given.
       moe_implementation: see `Transformer`.
+      strict: tensors of the text model that the config does not use (e.g. layers beyond
+        num_hidden_layers) are an error; False loads what the config uses and ignores them.
+        The vision / audio tensors of multimodal checkpoints are never an error.
 
     Raises:
-      ValueError: unsupported architecture or config, missing or mis-shaped tensors
-        (all of them named).
+      ValueError: a missing or malformed config.json, index or safetensors file (named),
+        an unsupported architecture or config, missing, mis-shaped or (strict) unused
+        tensors (all of them named).
     """
     directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.exists():
-        raise ValueError(f"no config.json in {str(directory)!r}")
-    hf_config = json.loads(config_file.read_text())
-    _architecture(hf_config)
-    config = config_from_hf(hf_config)
+    hf_config, config = read_hf_config(directory)
+    architecture = _architecture(hf_config, directory / "config.json")
     tensors = _SafetensorsIndex(directory)
     prefix = _text_prefix(tensors)
     model = abstract_model(config, dtype, param_dtype, moe_implementation)
     param_dtype = model.param_dtype
     entries = _hf_layout(config, model)
-    if not config.tie_word_embeddings:
-        lm_head = next((n for n in _LM_HEAD_NAMES if n in tensors), _LM_HEAD_NAMES[0])
-        entries.append(
-            ("/" + lm_head, (config.vocab_size, config.hidden_size), model.lm_head, None)
-        )
+    lm_head = next((n for n in _LM_HEAD_NAMES if n in tensors), _LM_HEAD_NAMES[0])
 
     def full_name(name):
+        if name == "/lm_head.weight":
+            return lm_head
         return name[1:] if name.startswith("/") else prefix + name
 
-    missing = sorted({full_name(n) for n, *_ in entries if full_name(n) not in tensors})
+    missing = sorted({full_name(e.name) for e in entries if full_name(e.name) not in tensors})
     if missing:
         raise ValueError(f"missing tensors in {str(directory)!r}: {missing}")
     misshaped = [
-        f"{full_name(n)}: expected {shape}, got {tensors.shape(full_name(n))}"
-        for n, shape, *_ in entries
-        if tensors.shape(full_name(n)) != shape
+        f"{full_name(e.name)}: expected {e.shape}, got {tensors.shape(full_name(e.name))}"
+        for e in entries
+        if tensors.shape(full_name(e.name)) != e.shape
     ]
     if misshaped:
         raise ValueError(f"mis-shaped tensors in {str(directory)!r}: " + "; ".join(misshaped))
-    for name, _, var, convert in entries:
-        array = tensors.get(full_name(name))
-        array = array.T if convert is None else convert(array)
-        assert array.shape == var.shape, (name, array.shape, var.shape)
-        var.set_value(jnp.asarray(array, dtype=param_dtype))
+    used = {full_name(e.name) for e in entries}
+    if config.tie_word_embeddings and lm_head in tensors:
+        # A stored copy of the tied embedding is harmless; a different matrix is not.
+        if tensors.shape(lm_head) == (config.vocab_size, config.hidden_size) and np.array_equal(
+            tensors.get(lm_head), tensors.get(prefix + "embed_tokens.weight")
+        ):
+            used.add(lm_head)
+    unused = _unused_tensors(tensors, used, prefix, architecture)
+    if unused and strict:
+        layers = sorted(
+            {
+                int(m.group(1))
+                for n in unused
+                if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", n))
+            }
+        )
+        hint = ""
+        if layers and layers[-1] >= config.num_layers:
+            hint = (
+                f" (config.json has {config.num_layers} layers; the checkpoint has tensors of "
+                f"layers up to {layers[-1]})"
+            )
+        elif lm_head in unused and config.tie_word_embeddings:
+            hint = f" ({lm_head} differs from the embedding but tie_word_embeddings is true)"
+        raise ValueError(
+            f"{len(unused)} tensors in {str(directory)!r} are not used by its config{hint}: "
+            f"{_summarise(unused)}; pass strict=False to load anyway"
+        )
+    for e in entries:
+        array = e.to_model(tensors.get(full_name(e.name)))
+        assert array.shape == e.var.shape, (e.name, array.shape, e.var.shape)
+        e.var.set_value(jnp.asarray(array, dtype=param_dtype))
     leftover = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -292,21 +438,176 @@ def from_pretrained(
     return model
 
 
+def save_pretrained(model: Transformer, path, *, overwrite: bool = False) -> None:
+    """Save `model` as a Hugging Face checkpoint directory: config.json + model.safetensors.
+
+    Writes Gemma3ForCausalLM / Gemma4ForCausalLM (transformers 5.17 field names) in the
+    parameter dtype; `from_pretrained(path, dtype=model.param_dtype)` gives back the same
+    config and bit-identical parameters. Other files in the directory (a tokenizer) are kept.
+
+    Raises:
+      ValueError: config.json or model.safetensors exists and overwrite is False, or the
+        config has fields a HF config cannot express.
+    """
+    from safetensors.numpy import save_file
+
+    directory = Path(path)
+    targets = [directory / "config.json", directory / "model.safetensors"]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{existing} already exist; pass overwrite=True to replace them")
+    hf_config = config_to_hf(model.config, dtype=model.param_dtype)
+    tensors: dict[str, list[np.ndarray]] = {}
+    for e in _hf_layout(model.config, model):
+        name = e.name[1:] if e.name.startswith("/") else "model." + e.name
+        tensors.setdefault(name, []).append(np.asarray(e.to_hf(np.asarray(e.var[...]))))
+    arrays = {
+        name: np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+        for name, parts in tensors.items()
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(arrays, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def config_to_hf(config: TransformerConfig, *, dtype=jnp.float32) -> dict:
+    """The config.json of `config` (`config_from_hf` maps it back to an equal config)."""
+    c = config
+    if c.is_multimodal or c.has_external_kv_draft:
+        raise ValueError(
+            "is_multimodal / has_external_kv_draft are pool-policy flags a text config.json "
+            "cannot hold; save a config with both False"
+        )
+    hf_layer_type = {"sliding": "sliding_attention", "full": "full_attention"}
+
+    def rope(r):
+        out = {"rope_type": r.rope_type, "rope_theta": r.theta}
+        if r.rope_type != "default":
+            out["factor"] = r.factor
+        if r.rope_type == "proportional":
+            out["partial_rotary_factor"] = r.partial_rotary_factor
+        return out
+
+    hf = {
+        "architectures": ["Gemma3ForCausalLM" if c.family == "gemma3" else "Gemma4ForCausalLM"],
+        "model_type": "gemma3_text" if c.family == "gemma3" else "gemma4_text",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "layer_types": [hf_layer_type[t] for t in c.layer_types],
+        "sliding_window": c.sliding_window,
+        "max_position_embeddings": c.max_context,
+        "rms_norm_eps": c.rms_norm_eps,
+        "final_logit_softcapping": c.final_logit_softcap,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "rope_parameters": {
+            "sliding_attention": rope(c.rope_sliding),
+            "full_attention": rope(c.rope_full),
+        },
+        "dtype": jnp.dtype(dtype).name,
+    }
+    if c.family == "gemma3":
+        hf["query_pre_attn_scalar"] = c.query_pre_attn_scalar
+        hf["attn_logit_softcapping"] = None
+        return hf
+    hf.update(
+        # transformers 5.17's own form of the full-layer geometry.
+        per_layer_config={
+            f"{i:02d}": {
+                "head_dim": c.type_head_dim("full"),
+                "num_key_value_heads": c.type_num_kv_heads("full"),
+            }
+            for i, t in enumerate(c.layer_types)
+            if t == "full"
+        },
+        attention_k_eq_v=c.attention_k_eq_v,
+        num_kv_shared_layers=c.num_kv_shared_layers,
+        use_double_wide_mlp=c.use_double_wide_mlp,
+        hidden_size_per_layer_input=c.per_layer_input_dim,
+        vocab_size_per_layer_input=c.per_layer_input_vocab_size or c.vocab_size,
+        enable_moe_block=c.has_moe,
+        num_experts=c.num_experts or None,
+        top_k_experts=c.num_experts_per_token or None,
+        moe_intermediate_size=c.moe_intermediate_size or None,
+    )
+    return hf
+
+
 # --------------------------------------------------------------------- Orbax
 
 
+# An Orbax checkpoint is a composite of two items: "params" (the nnx state, Orbax's standard
+# pytree format) and "config" (the TransformerConfig as JSON), so that a restore can refuse a
+# config other than the saved one.
+_PARAMS_ITEM, _CONFIG_ITEM = "params", "config"
+
+
+def config_to_dict(config: TransformerConfig) -> dict:
+    """The config as plain JSON data (`config_from_dict` inverts it)."""
+    d = dataclasses.asdict(config)
+    d["layer_types"] = list(d["layer_types"])
+    return d
+
+
+def config_from_dict(d: dict, where: str = "config") -> TransformerConfig:
+    """The `TransformerConfig` of `config_to_dict` output; ValueError naming `where` if bad."""
+    from gemma._config import FIELD_NAMES, RopeConfig
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - FIELD_NAMES)
+    if unknown:
+        raise ValueError(f"{where}: unknown TransformerConfig fields {unknown}")
+    try:
+        fields = dict(d)
+        for key in ("rope_sliding", "rope_full"):
+            if key in fields:
+                fields[key] = RopeConfig(**fields[key])
+        if "layer_types" in fields:
+            fields["layer_types"] = tuple(fields["layer_types"])
+        return TransformerConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
 def save_params(model: Transformer, path, *, overwrite: bool = False) -> None:
-    """Save the model's parameters and buffers (its nnx state) as an Orbax checkpoint at `path`."""
+    """Save the model's parameters and buffers (its nnx state) and its config as an Orbax
+    checkpoint at `path`."""
     import orbax.checkpoint as ocp
 
     _, state = nnx.split(model)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(path), state, force=overwrite)
-        checkpointer.wait_until_finished()
+    args = ocp.args.Composite(
+        **{
+            _PARAMS_ITEM: ocp.args.StandardSave(state),
+            _CONFIG_ITEM: ocp.args.JsonSave(config_to_dict(model.config)),
+        }
+    )
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(os.path.abspath(path), args, force=overwrite)
+
+
+def saved_config(path) -> TransformerConfig:
+    """The config stored in the Orbax checkpoint at `path` by `save_params`."""
+    path = os.path.abspath(path)
+    config_file = Path(path) / _CONFIG_ITEM / "metadata"
+    if not os.path.isdir(path):
+        raise ValueError(f"no Orbax checkpoint at {path!r}")
+    if not config_file.is_file():
+        raise ValueError(
+            f"the Orbax checkpoint at {path!r} has no model config ({str(config_file)!r} is "
+            "missing); save_params writes one"
+        )
+    return config_from_dict(_read_json_object(config_file, "model config"), str(config_file))
 
 
 def restore_params(
-    config_or_model: TransformerConfig | Transformer,
+    config_or_model: TransformerConfig | Transformer | None,
     path,
     *,
     dtype=jnp.float32,
@@ -316,49 +617,72 @@ def restore_params(
     """A `Transformer` with the parameters saved by `save_params` at `path`.
 
     Args:
-      config_or_model: the config to build the model from (with `dtype` /
-        `param_dtype` / `moe_implementation`), or a model whose structure,
-        dtypes and shardings the restored one takes (the given model is not modified).
+      config_or_model: None (the config stored in the checkpoint), the config to build the
+        model from, or a model whose structure, dtypes and shardings the restored one takes
+        (the given model is not modified). A config (given or the model's) other than the
+        stored one is an error.
+      dtype, param_dtype, moe_implementation: of the model built from a config.
 
     Raises:
-      ValueError: the checkpoint does not match the model's structure or shapes.
+      ValueError: no checkpoint or no stored config at `path`, a config other than the
+        stored one, a checkpoint whose structure or shapes differ from the model's, or
+        unreadable (truncated) checkpoint data.
     """
     import orbax.checkpoint as ocp
+    from etils import epath
 
+    path = os.path.abspath(path)
+    stored = saved_config(path)
+    if config_or_model is None:
+        config_or_model = stored
     if isinstance(config_or_model, Transformer):
+        given = config_or_model.config
         graphdef, state = nnx.split(config_or_model)
         abstract_state = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
     elif isinstance(config_or_model, TransformerConfig):
+        given = config_or_model
         abstract = abstract_model(config_or_model, dtype, param_dtype, moe_implementation)
         graphdef, abstract_state = nnx.split(abstract)
     else:
         raise TypeError(
-            "config_or_model must be a TransformerConfig or a Transformer, got "
+            "config_or_model must be None, a TransformerConfig or a Transformer, got "
             f"{type(config_or_model).__name__}"
         )
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"no Orbax checkpoint at {path!r}")
-    with ocp.StandardCheckpointer() as checkpointer:
-        item_metadata = checkpointer.metadata(path).item_metadata
-        if item_metadata is None:
-            raise ValueError(f"no Orbax checkpoint metadata at {path!r}")
-        saved = _flat_shapes(item_metadata)
-        wanted = _flat_shapes(abstract_state)
-        problems = [f"{k}: missing in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
-        problems += [f"{k}: not in the model" for k in sorted(saved.keys() - wanted.keys())]
-        problems += [
-            f"{k}: checkpoint shape {saved[k]}, model shape {wanted[k]}"
-            for k in sorted(wanted.keys() & saved.keys())
-            if saved[k] != wanted[k]
+    if given != stored:
+        differ = [
+            f"{f.name}: saved {getattr(stored, f.name)!r}, given {getattr(given, f.name)!r}"
+            for f in dataclasses.fields(TransformerConfig)
+            if getattr(stored, f.name) != getattr(given, f.name)
         ]
-        if problems:
-            raise ValueError(
-                f"the checkpoint at {path!r} does not match the model: " + "; ".join(problems)
-            )
-        state = checkpointer.restore(path, abstract_state)
+        raise ValueError(
+            f"the checkpoint at {path!r} was saved with another config: " + "; ".join(differ)
+        )
+    params_dir = os.path.join(path, _PARAMS_ITEM)
+    try:
+        item_metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(params_dir))
+    except Exception as e:  # as above; a missing or damaged _METADATA file
+        raise ValueError(f"unreadable Orbax metadata in {params_dir!r}: {e}") from e
+    saved = _flat_shapes(item_metadata)
+    wanted = _flat_shapes(abstract_state)
+    problems = [f"{k}: missing in the checkpoint" for k in sorted(wanted.keys() - saved.keys())]
+    problems += [f"{k}: not in the model" for k in sorted(saved.keys() - wanted.keys())]
+    problems += [
+        f"{k}: checkpoint shape {saved[k]}, model shape {wanted[k]}"
+        for k in sorted(wanted.keys() & saved.keys())
+        if saved[k] != wanted[k]
+    ]
+    if problems:
+        raise ValueError(
+            f"the checkpoint at {path!r} does not match the model: " + "; ".join(problems)
+        )
+    args = ocp.args.Composite(**{_PARAMS_ITEM: ocp.args.StandardRestore(abstract_state)})
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            state = checkpointer.restore(path, args)[_PARAMS_ITEM]
+    except Exception as e:  # Orbax re-raises tensorstore read errors as a bare Exception
+        raise ValueError(f"cannot read the Orbax checkpoint data in {params_dir!r}: {e}") from e
     return nnx.merge(graphdef, state)
 
 

@@ -1,11 +1,18 @@
 """Mosaic GPU KV write: the step's new K/V rows into their pool pages, in place.
 
 The (page, row) of each packed token comes from `kv_write.token_slots` (a few [T] jnp ops).
-One CUDA block per `block_tokens` tokens: TMA loads the tokens' K and V rows [n, Hkv, D] into
-SMEM, converts them to the pool dtype when needed (x / scale, fp8 saturating), and TMA-stores
-each valid token's [Hkv, D] row into pool[page, row]. The pool enters the kernel as a mutable
-Ref (an input/output alias), so jit with the pool donated updates it in place; untouched rows
-keep their bytes.
+One CUDA block per `block_tokens` tokens: TMA loads the tokens' K and V rows into SMEM,
+converts them to the pool dtype when needed (x / scale, fp8 saturating), and TMA-stores each
+valid token's row into pool[page, row]. The pool enters the kernel as a mutable Ref (an
+input/output alias), so jit with the pool donated updates it in place; untouched rows keep
+their bytes.
+
+Every copy is split into boxes of at most `MAX_BOX` elements per dimension (the TMA limit), so
+head_dim 512 moves as two 256-column boxes. SMEM holds each box contiguously:
+[head chunks, column chunks, tokens, heads per chunk, columns per chunk]. `block_tokens` is the
+largest power of two up to `MAX_BLOCK_TOKENS` whose staging buffers fit `SMEM_BUDGET` (so two
+blocks share an SM); a geometry whose single token does not fit the SMEM limit raises
+ValueError at trace time.
 
 Axis names: T packed tokens, Hkv KV heads, D head_dim, P pages, S page_size.
 """
@@ -21,39 +28,81 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks
 
-BLOCK_TOKENS = 8
+MAX_BOX = 256  # TMA: at most 256 elements along each box dimension
+MAX_BLOCK_TOKENS = 8
+SMEM_BUDGET = 96 * 1024  # staging per CUDA block: two blocks fit one SM's 228 KB
+SMEM_LIMIT = 227 * 1024  # per block (H100 / H200)
+
+
+def _chunk(n: int) -> int:
+    """Box length along a dimension of n elements: n, or the largest divisor <= MAX_BOX."""
+    return next(c for c in range(min(n, MAX_BOX), 0, -1) if n % c == 0)
+
+
+def _staging_bytes_per_token(num_kv_heads, head_dim, in_dtype, pool_dtype, convert) -> int:
+    row = num_kv_heads * head_dim
+    staged = 2 * row * jnp.dtype(in_dtype).itemsize  # K and V as loaded
+    if convert:
+        staged += 2 * row * jnp.dtype(pool_dtype).itemsize  # K and V in the pool dtype
+    return staged
+
+
+def block_tokens(num_kv_heads, head_dim, in_dtype, pool_dtype, convert) -> int:
+    """Tokens per CUDA block for this geometry; ValueError if one token cannot fit SMEM."""
+    per_token = _staging_bytes_per_token(num_kv_heads, head_dim, in_dtype, pool_dtype, convert)
+    if per_token + 1024 > SMEM_LIMIT:
+        raise ValueError(
+            f"kv_write kernel: one token of {num_kv_heads} KV heads x head_dim {head_dim} needs "
+            f"{per_token} bytes of shared memory staging, more than the {SMEM_LIMIT} available"
+        )
+    bt = MAX_BLOCK_TOKENS
+    while bt > 1 and bt * per_token > SMEM_BUDGET:
+        bt //= 2
+    return bt
 
 
 def supports(pool) -> bool:
+    """Whether the kernel handles this pool (else "auto" uses the reference scatter)."""
     _, _, num_kv_heads, head_dim = pool.shape
-    row_bytes = num_kv_heads * head_dim * jnp.dtype(pool.dtype).itemsize
-    return row_bytes % 128 == 0
+    item = jnp.dtype(pool.dtype).itemsize
+    if (_chunk(head_dim) * item) % 16:  # TMA: a box row is a multiple of 16 bytes
+        return False
+    try:  # the widest case: bf16/f32 tokens converted into the pool dtype
+        block_tokens(num_kv_heads, head_dim, jnp.float32, pool.dtype, True)
+    except ValueError:
+        return False
+    return True
 
 
 @functools.partial(jax.jit, static_argnames=("convert", "interpret"), donate_argnums=0)
 def _kv_write_jit(pool, slots, k, v, scales, *, convert, interpret):
     num_tokens, num_kv_heads, head_dim = k.shape
-    bt = BLOCK_TOKENS
-    grid = -(-num_tokens // bt)
     pool_dtype = pool.dtype
+    bt = block_tokens(num_kv_heads, head_dim, k.dtype, pool_dtype, convert)
+    n = min(bt, num_tokens)
+    grid = -(-num_tokens // n)
+    hc, dc = _chunk(num_kv_heads), _chunk(head_dim)
+    boxes = [(h, c) for h in range(num_kv_heads // hc) for c in range(head_dim // dc)]
 
     def body(slots_ref, k_ref, v_ref, scales_ref, pool_ref, k_in, v_in, k_st, v_st, bar):
-        t0 = jax.lax.axis_index("t") * bt
-        n = min(bt, num_tokens)
-        rows = pl.ds(jnp.minimum(t0, num_tokens - n), n)
+        t0 = jax.lax.axis_index("t") * n
         # The last block's box may overlap the previous block (no partial TMA boxes); each
         # token is stored by the block that owns it.
         start = jnp.minimum(t0, num_tokens - n)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_in, bar.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_in, bar.at[1])
-        plgpu.barrier_wait(bar.at[0])
+        rows = pl.ds(start, n)
+        for h, c in boxes:
+            heads, cols = pl.ds(h * hc, hc), pl.ds(c * dc, dc)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, heads, cols], k_in.at[h, c], bar.at[0])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, heads, cols], v_in.at[h, c], bar.at[1])
+        plgpu.barrier_wait(bar.at[0])  # one arrival per box
         plgpu.barrier_wait(bar.at[1])
         if convert:
             for src, dst, role in ((k_in, k_st, 0), (v_in, v_st, 1)):
-                x = src[...].astype(jnp.float32) / scales_ref[role]
-                if _checks.is_fp8(pool_dtype):
-                    x = jnp.minimum(jnp.maximum(x, -448.0), 448.0)
-                dst[...] = x.astype(pool_dtype)
+                for h, c in boxes:
+                    x = src.at[h, c][...].astype(jnp.float32) / scales_ref[role]
+                    if _checks.is_fp8(pool_dtype):
+                        x = jnp.minimum(jnp.maximum(x, -448.0), 448.0)
+                    dst.at[h, c][...] = x.astype(pool_dtype)
             plgpu.commit_smem()
             k_src, v_src = k_st, v_st
         else:
@@ -64,24 +113,30 @@ def _kv_write_jit(pool, slots, k, v, scales, *, convert, interpret):
             @pl.when((slots_ref[3, t] != 0) & (t >= t0))
             def _(i=i, t=t):
                 row = slots_ref[2, t]
-                plgpu.copy_smem_to_gmem(k_src.at[i], pool_ref.at[slots_ref[0, t], row])
-                plgpu.copy_smem_to_gmem(v_src.at[i], pool_ref.at[slots_ref[1, t], row])
+                k_page, v_page = slots_ref[0, t], slots_ref[1, t]
+                for h, c in boxes:
+                    heads, cols = pl.ds(h * hc, hc), pl.ds(c * dc, dc)
+                    plgpu.copy_smem_to_gmem(
+                        k_src.at[h, c, i], pool_ref.at[k_page, row, heads, cols]
+                    )
+                    plgpu.copy_smem_to_gmem(
+                        v_src.at[h, c, i], pool_ref.at[v_page, row, heads, cols]
+                    )
 
         plgpu.wait_smem_to_gmem(0)
 
-    n = min(bt, num_tokens)
-    st_dtype = pool_dtype if convert else k.dtype
+    staged = (num_kv_heads // hc, head_dim // dc, n, hc, dc)
+    converted = [plgpu.SMEM(staged, pool_dtype)] * 2 if convert else [None, None]
     kernel = plgpu.kernel(
         body,
         out_type=(),
         grid=(grid,),
         grid_names=("t",),
         scratch_types=[
-            plgpu.SMEM((n, num_kv_heads, head_dim), k.dtype),
-            plgpu.SMEM((n, num_kv_heads, head_dim), v.dtype),
-            plgpu.SMEM((n, num_kv_heads, head_dim), st_dtype),
-            plgpu.SMEM((n, num_kv_heads, head_dim), st_dtype),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.SMEM(staged, k.dtype),
+            plgpu.SMEM(staged, v.dtype),
+            *converted,
+            plgpu.Barrier(num_arrivals=len(boxes), num_barriers=2),
         ],
         compiler_params=plgpu.CompilerParams(),
         interpret=interpret,
@@ -97,9 +152,11 @@ def kv_write_pallas(pool, page_table, k, v, q_starts, kv_lens, *, k_scale=None, 
     from pallas_kernels.kv_write import token_slots
 
     if not supports(pool):
+        _, _, num_kv_heads, head_dim = pool.shape
         raise ValueError(
-            f"kv_write kernel needs Hkv * D * itemsize to be a multiple of 128 bytes, got pool "
-            f"shape {pool.shape} {pool.dtype}"
+            f"kv_write kernel does not support pool shape {pool.shape} {pool.dtype}: a TMA box "
+            f"row of {_chunk(head_dim)} columns must be a multiple of 16 bytes and one token of "
+            f"{num_kv_heads} x {head_dim} must fit {SMEM_LIMIT} bytes of shared memory"
         )
     if k.shape[0] == 0:
         return pool

@@ -76,8 +76,20 @@ __all__ += [
 ]
 
 # Generation on the pool.
-from swajax._engine import Engine, RunStats  # noqa: E402
+from swajax._engine import Engine, RequestOutput, RunStats  # noqa: E402
 from swajax._generate import generate  # noqa: E402
+from swajax._ledger import SlotLedger  # noqa: E402
 from swajax._sampling import SamplingParams  # noqa: E402
+from swajax._scheduler import Request, Scheduler, StepPlan  # noqa: E402
 
-__all__ += ["Engine", "RunStats", "SamplingParams", "generate"]
+__all__ += [
+    "Engine",
+    "Request",
+    "RequestOutput",
+    "RunStats",
+    "SamplingParams",
+    "Scheduler",
+    "SlotLedger",
+    "StepPlan",
+    "generate",
+]

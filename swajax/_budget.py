@@ -22,7 +22,8 @@ import jax
 
 from swajax._config import KVCacheConfig
 from swajax._layout import KVLayout, make_layout
-from swajax._scratch import ceil_div, scratch_range, scratch_slot_count, stale_range
+from swajax._ledger import row_peak_slots
+from swajax._scratch import ceil_div
 from swajax._spec import LayerSpec
 
 DEFAULT_FREE_MEMORY_FRACTION = 0.9
@@ -51,15 +52,30 @@ def device_free_bytes(device=None) -> int:
     return int(min(avail, CPU_FREE_BYTES_CAP))
 
 
+def round_quota(nbytes: int) -> int:
+    """A free-memory quota rounded down to 1/32 of the largest power of two in it (>= 64 MiB).
+
+    Free memory moves by a few MiB between engines and processes; the rounded quota does not,
+    so the same model and settings get the same layout (and reuse the same compiled steps).
+    """
+    if nbytes < 1:
+        return int(nbytes)
+    step = max(64 << 20, (1 << (int(nbytes).bit_length() - 1)) // 32)
+    return max(int(nbytes) // step * step, min(int(nbytes), 64 << 20))
+
+
 def kv_quota_bytes(kv_cache_config: KVCacheConfig, device=None) -> int:
-    """Byte quota of all pool roots: max_gpu_total_bytes, fraction * free memory, or the min."""
+    """Byte quota of all pool roots: max_gpu_total_bytes, fraction * free memory, or the min.
+
+    The free-memory part is rounded down by `round_quota` (deterministic layouts).
+    """
     cfg = kv_cache_config
     fraction = cfg.free_gpu_memory_fraction
     if cfg.max_gpu_total_bytes is not None and fraction is None:
         return int(cfg.max_gpu_total_bytes)
     if fraction is None:
         fraction = DEFAULT_FREE_MEMORY_FRACTION
-    quota = int(fraction * device_free_bytes(device))
+    quota = round_quota(int(fraction * device_free_bytes(device)))
     if cfg.max_gpu_total_bytes is not None:
         quota = min(quota, int(cfg.max_gpu_total_bytes))
     return quota
@@ -183,46 +199,6 @@ class KVBytes(NamedTuple):
     peak: int
 
 
-def _simulate(layout: KVLayout, steps: Sequence[int], mode: str) -> tuple[list[int], list[int]]:
-    """Slots per group held by one row after the last step and at most (after a reserve).
-
-    Mirrors reserve/advance: each step grows h -> cap, blocks outside the scratch range get
-    normal slots, the range gets ceil(|R|*2/min_scale) scratch slots; advance releases
-    stale(h - max_rewind) ("release", "scratch") and the scratch slots.
-    """
-    tpb, rewind = layout.page_size, layout.max_rewind
-    steady, peak = [], []
-    for g, group in enumerate(layout.groups):
-        sliding = group.is_sliding and mode != "full"
-        held: set[int] = set()
-        released_to = 0
-        h, most = 0, 0
-        for n in steps:
-            cap = h + n
-            n_scratch, begin, end = 0, 0, 0
-            if mode == "scratch" and group.is_sliding:
-                begin, end = (
-                    int(x)
-                    for x in scratch_range(h, cap, group.window, group.sink_blocks, tpb, rewind)
-                )
-                if group.scratch_blocks:
-                    end = min(end, begin + group.scratch_blocks)
-                n_scratch = scratch_slot_count(end - begin, layout.min_scale(g))
-            held.update(o for o in range(h // tpb, ceil_div(cap, tpb)) if not begin <= o < end)
-            most = max(most, len(held) + n_scratch)
-            h = cap
-            if sliding:
-                start, stop = (
-                    int(x) for x in stale_range(h - rewind, group.window, group.sink_blocks, tpb)
-                )
-                for o in range(max(start, released_to), stop):
-                    held.discard(o)
-                released_to = max(released_to, stop)
-        steady.append(len(held))
-        peak.append(most)
-    return steady, peak
-
-
 def _chunks(input_len: int, chunk: int) -> list[int]:
     return [min(chunk, input_len - s) for s in range(0, input_len, chunk)]
 
@@ -251,8 +227,8 @@ def steps_slots(layout: KVLayout, steps: Sequence[int]) -> tuple[int, ...]:
     """
     if any(n < 0 for n in steps):
         raise ValueError(f"steps must be token counts >= 0, got {list(steps)}")
-    _, peak = _simulate(layout, steps, "scratch" if layout.scratch else "release")
-    return tuple(peak)
+    _, peak = row_peak_slots(layout, steps)
+    return peak
 
 
 def kv_bytes_per_sequence(
@@ -296,7 +272,7 @@ def kv_bytes_per_sequence(
     chunk = layout.max_chunk if chunk is None else chunk
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    steady, peak = _simulate(layout, _chunks(input_len, chunk), mode)
+    steady, peak = row_peak_slots(layout, _chunks(input_len, chunk), mode)
     size = [layout.slot_bytes(g) for g in range(len(layout.groups))]
     return KVBytes(
         sum(n * b for n, b in zip(steady, size, strict=True)),

@@ -50,6 +50,8 @@ class KVCacheConfig:
       chunk_size: prefill chunk (tokens per row per step); default ratio hint and the static bound
         of a row's scratch range (a longer chunk keeps its excess in normal pages).
       max_batch: rows of the batch (the layout's batch axis), or None to let the caller decide.
+      max_num_tokens: token budget of one engine step (decode rows first, then prefill
+        chunks), or None for the engine's default (8192, TensorRT-LLM's default).
     """
 
     page_size: int = 32
@@ -64,6 +66,7 @@ class KVCacheConfig:
     expected_batch_size: int | None = None
     chunk_size: int | None = None
     max_batch: int | None = None
+    max_num_tokens: int | None = None
 
     def __post_init__(self):
         _positive_int("page_size", self.page_size, allow_none=False)
@@ -109,6 +112,7 @@ class KVCacheConfig:
         _positive_int("expected_batch_size", self.expected_batch_size)
         _positive_int("chunk_size", self.chunk_size)
         _positive_int("max_batch", self.max_batch)
+        _positive_int("max_num_tokens", self.max_num_tokens)
 
 
 def resolve_scratch_policy(

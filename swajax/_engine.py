@@ -1,224 +1,161 @@
-"""The generation engine: admission in waves, chunked prefill, decode, on one KV pool.
+"""The engine: continuous batching of requests on one paged KV pool.
 
-Owns the jitted step (free finished rows, reserve, page-table gather, paged forward, sample,
-advance) and the host loop that schedules requests onto batch rows.
+A request's path: `Engine.add_request` (validated, queued) -> `Scheduler.schedule` (pure
+Python: admission, token budget, preemption, prefix parking; `swajax._scheduler`) -> the step
+runner (one compiled step, state donated; `swajax._runner`) -> pool transforms -> the model's
+attention hook (`swajax._paged`) -> kernels (`pallas_kernels`).
 
-A step is one call of a compiled function whose pool state is donated (updated in place).
-Its shapes depend only on the token bucket T and on whether the step is decode-only, so a
-run compiles a handful of variants and decode steps never recompile (`Engine.trace_count`);
-the compiled steps are shared by engines of the same model structure and layout.
+`Engine.step()` plans and dispatches the next step, then reads the step before it: the device
+always has the next step queued while the host reads results and plans (decode rows take their
+input token from the previous step's output on the device). `Engine.run` and `Engine.stream`
+are loops over `step`; `swajax.generate` is `run` on a fresh engine.
 
-Admission is decided in slots, never by running out of memory: a request is admitted into a
-free row only when, for every pool group, the peak slots of the admitted requests plus its
-own (`request_slots`, simulated from the layout) fit the group. A request that does not fit
-waits for others to finish: a batch larger than the pool is served in waves, never dropped.
+Robustness: the donating step call defers SIGINT until the new state is held; an exception or
+KeyboardInterrupt inside `run` / `stream` aborts that call's requests and frees their rows, so
+the engine stays usable and leaks no slot (if the state itself was lost, the pool is rebuilt
+and every queued request is aborted). One engine serves one thread at a time (a lock).
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
-import functools
+import itertools
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from swajax._budget import request_slots, steps_slots
+from swajax import _validate
+from swajax._budget import request_slots
+from swajax._compilation_cache import enable_default_cache
 from swajax._config import KVCacheConfig, resolve_scratch_policy
-from swajax._layout import KVLayout, make_layout
-from swajax._paged import make_attention_fn, token_positions
-from swajax._sampling import SamplingParams, sample
-from swajax._scratch import BAD
-from swajax._state import KVPoolState, init_state
-from swajax._transforms import (
-    advance,
-    free_rows,
-    reserve,
-    row_slots,
-    share_prefix,
-    step_metadata,
-    step_page_tables,
+from swajax._layout import make_layout
+from swajax._ledger import SlotLedger
+from swajax._runner import (
+    StepInputs,
+    bookkeeping_step,
+    initial_tables,
+    step_function,
+    step_inputs,
+    trace_count,
 )
+from swajax._sampling import SamplingParams, request_key_data, step_mode
+from swajax._scheduler import FINISHED, Request, Scheduler, default_headroom
+from swajax._state import init_state
 
 MIN_BUCKET = 8
+DEFAULT_MAX_NUM_TOKENS = 8192
 
 
-def _bucket(n: int) -> int:
-    """Static token-axis length for n tokens: the next power of two (at least MIN_BUCKET)."""
-    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
-def _step(
-    params,
-    state: KVPoolState,
-    tokens,
-    new_tokens,
-    finished,
-    key,
-    sampling,
-    tables=None,
-    *,
-    graphdef,
-    layout: KVLayout,
-    decode: bool,
-    implementation: str,
-    return_logits: bool = False,
-    sampling_mode: str = "filter",
-):
-    """One engine step; returns (state, next_tokens, ok, row_logits, free, tables).
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request.
 
-    next_tokens i32[B], ok bool[], free i32[G] slots free after the reserve, tables the step's
-    per-pool page tables. `tables`, the previous step's (donated), lets the gather update them in
-    place (per_layer mode).
-
-    tokens: i32[T] packed new tokens; new_tokens: i32[B] per row; finished: bool[B] rows to free
-    first. next_tokens[b] is sampled from the logits of row b's last new token; row_logits
-    (f32[B, V]) are returned only with `return_logits` (tests, analysis), else None.
+    new_token_ids: tokens since the request's previous output; token_ids: every generated
+    token so far (a stop token included); finish_reason: "stop" (a stop token), "length"
+    (max_new_tokens) or None while it runs.
     """
-    state = free_rows(layout, state, finished)
-    ok, state = reserve(layout, state, new_tokens)
-    free_after_reserve = state.free_count
-    meta = step_metadata(layout, state)
-    tables = step_page_tables(layout, state, implementation=implementation, out=tables)
-    num_tokens = tokens.shape[0]
-    positions = token_positions(meta, num_tokens)
-    attention_fn = make_attention_fn(
-        layout,
-        tables,
-        meta,
-        state.k_scales,
-        state.v_scales,
-        decode=decode,
-        implementation=implementation,
-    )
-    model = nnx.merge(graphdef, params)
-    last = jnp.clip(meta.q_starts[1:] - 1, 0, num_tokens - 1)  # [B]
-    logits, pools = model.forward(
-        tokens,
-        positions,
-        attention_fn=attention_fn,
-        attention_state=state.pools,
-        logits_indices=last,
-    )  # [B, V]: only each row's last new token is unembedded
-    next_tokens = sample(logits, key, **sampling, mode=sampling_mode)
-    state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
-    logits = logits if return_logits else None
-    return state, next_tokens, ok, logits, free_after_reserve, tables
+
+    request_id: int
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
 
 
-# One compiled step per (model structure, layout, bucket, mode), shared by every engine: repeated
-# `swajax.generate` calls with the same shapes reuse it instead of recompiling.
-_TRACES: collections.Counter = collections.Counter()
-
-
-def _traced_step(*args, **kwargs):
-    _TRACES[kwargs["layout"]] += 1
-    return _step(*args, **kwargs)
-
-
-def initial_tables(layout: KVLayout):
-    """All-BAD per-pool page tables, the `tables` of a first step (None in shared mode)."""
-    if layout.page_table_mode != "per_layer":
-        return None
-    shape = (layout.max_batch, 2, layout.max_blocks)
-    return tuple(jnp.full((p.num_layers, *shape), BAD, jnp.int32) for p in layout.pools)
-
-
-@functools.lru_cache(maxsize=64)
-def step_function(
-    graphdef,
-    layout: KVLayout,
-    *,
-    decode: bool,
-    implementation: str,
-    logits: bool,
-    sampling_mode: str = "filter",
-):
-    """The jitted step with its static arguments bound (state and tables donated).
-
-    Bound once per engine and mode: hashing a model's GraphDef costs about 1.6 ms (Gemma 3
-    4B), which a jit call with static arguments would pay at every decode step. The cache
-    keeps up to 64 (model structure, layout, mode) steps and their executables alive.
-    """
-    bound = functools.partial(
-        _traced_step,
-        graphdef=graphdef,
-        layout=layout,
-        decode=decode,
-        implementation=implementation,
-        return_logits=logits,
-        sampling_mode=sampling_mode,
-    )
-    return jax.jit(bound, donate_argnums=(1, 7))
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    need: tuple[int, ...]
-    fed: int = 0
-    out: list[int] = dataclasses.field(default_factory=list)
-    reuse: int = 0  # tokens of a cached prefix this request may start from (0: none)
-    park_at: int = 0  # a prefill step ends here and the prefix is parked for reuse (0: never)
-
-    @property
-    def done(self) -> bool:
-        return len(self.out) >= self.max_new_tokens
-
-    def next_piece(self, chunk: int) -> list[int]:
-        """Prompt tokens of the next prefill step (a step ends exactly at park_at)."""
-        limit = self.park_at if self.fed < self.park_at else len(self.prompt)
-        return self.prompt[self.fed : min(self.fed + chunk, limit)]
-
-
-def _prefill_steps(prompt_len: int, chunk: int, start: int, park_at: int) -> list[int]:
-    """Tokens per prefill step of a request starting from a `start`-token shared prefix."""
-    steps, fed = ([start] if start else []), start
-    while fed < prompt_len:
-        limit = park_at if fed < park_at else prompt_len
-        steps.append(min(chunk, limit - fed))
-        fed += steps[-1]
-    return steps
-
-
-def _common_prefix(a: list[int], b) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    v = np.asarray(values, np.float64)
+    return {
+        "mean": float(v.mean()),
+        "p50": float(np.percentile(v, 50)),
+        "p99": float(np.percentile(v, 99)),
+    }
 
 
 @dataclasses.dataclass
 class RunStats:
-    """What one `Engine.run` did: steps, tokens, time, peak slots held per pool group."""
+    """What one `Engine.run` / `stream` did.
+
+    Slots: `peak_slots` / `mean_slots` per pool group (held after each step's reserve),
+    `num_slots` the pool's. Latency: `ttft_s` per request (from its admission to the queue to
+    its first token on the host) and `itl_s` (gaps between its tokens), with `ttft` / `itl`
+    summaries (mean, p50, p99).
+    """
 
     steps: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens fed (recomputed ones included)
     decode_tokens: int = 0
+    output_tokens: int = 0
     seconds: float = 0.0
     peak_slots: tuple[int, ...] = ()
     slot_steps: tuple[int, ...] = ()  # per group: sum over steps of the slots held in the step
     num_slots: tuple[int, ...] = ()
     max_concurrent: int = 0
+    preemptions: int = 0
+    evictions: int = 0
     prefix_hits: int = 0  # requests that started from a cached prefix
     prefix_tokens: int = 0  # prompt tokens they did not prefill
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    itl_s: list[float] = dataclasses.field(default_factory=list)
     step_logits: list | None = None
 
     @property
     def tokens_per_second(self) -> float:
         return (self.prefill_tokens + self.decode_tokens) / max(self.seconds, 1e-9)
 
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def mean_slots(self) -> tuple[float, ...]:
+        return tuple(s / max(self.steps, 1) for s in self.slot_steps)
+
+    @property
+    def ttft(self) -> dict[str, float]:
+        return _summary(self.ttft_s)
+
+    @property
+    def itl(self) -> dict[str, float]:
+        return _summary(self.itl_s)
+
+
+@dataclasses.dataclass
+class _Timing:
+    added: float
+    last: float | None = None
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Holds SIGINT back during the block (main thread only) and raises it afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
 
 class Engine:
-    """Serves prompts on a paged KV pool sized from a `KVCacheConfig`.
+    """Serves requests on a paged KV pool sized from a `KVCacheConfig`.
 
     Args:
       model: a model with `config.layer_specs`, `config.vocab_size`, `config.max_context`
@@ -226,19 +163,27 @@ class Engine:
         (e.g. `gemma.Transformer`).
       kv_cache_config: the KV cache settings (page size, byte quota, scratch policy, dtype...).
       max_context: longest sequence this engine serves (prompt + new tokens).
-      max_batch: batch rows (default kv_cache_config.max_batch, else 16).
-      prefill_chunk_size: prompt tokens per row per step (default kv_cache_config.chunk_size,
-        else 512).
+      max_batch: rows served at once (default kv_cache_config.max_batch, else 16).
+      max_num_tokens: token budget of one step (default kv_cache_config.max_num_tokens, else
+        8192): decode rows take one token each, prefill chunks fill the rest.
+      prefill_chunk_size: most prompt tokens of one row in one step (default
+        kv_cache_config.chunk_size, else max_num_tokens); it also bounds a row's scratch range.
       implementation: kernels: "reference", "pallas" or "auto".
-      min_prefill_bucket: smallest token-axis length of a prefill step (steps are padded to
-        powers of two from here; a large value means one compiled prefill variant).
-      prefix_cache_rows: extra batch rows that park shared prompt prefixes for reuse (0: no
-        prefix cache). A prompt whose block-aligned prefix it shares with another prompt (or a
-        parked one) starts from that prefix: its source ends a prefill step exactly at the
-        boundary and the prefix's blocks are shared by reference (`share_prefix`). The window
-        ending at the boundary is then in normal pages, so prefixes hit with scratch reuse on.
-        Parked prefixes hold slots and are evicted (least recently used) when a request needs
-        them.
+      min_prefill_bucket: smallest token axis of a step with prefill rows. Such steps are
+        padded to powers of two from here up to max_num_tokens; the default (max_num_tokens)
+        compiles one prefill variant.
+      prefix_cache_rows: extra batch rows that park prefixes for reuse (0: no prefix cache;
+        see `swajax._prefix_cache`): prefixes that queued prompts share, and finished
+        requests' histories (a conversation's next turn starts from its last one).
+      admission_headroom: fraction of each group's slots an admission leaves free for the
+        running rows to grow (at least one slot; none when nothing else runs).
+      precompile: compile the greedy prefill and decode steps now (in parallel threads)
+        instead of at their first use.
+
+    Compiled steps are shared by every engine of the same model structure and layout (the
+    layout is deterministic: see `swajax._budget.round_quota`), and JAX's persistent
+    compilation cache is on by default (`swajax._compilation_cache`), so a new engine or a new
+    process compiles little or nothing.
     """
 
     def __init__(
@@ -248,71 +193,105 @@ class Engine:
         *,
         max_context: int,
         max_batch: int | None = None,
+        max_num_tokens: int | None = None,
         prefill_chunk_size: int | None = None,
         implementation: str = "auto",
-        min_prefill_bucket: int = MIN_BUCKET,
+        min_prefill_bucket: int | None = None,
         prefix_cache_rows: int = 0,
+        admission_headroom: float = 0.01,
+        precompile: bool = False,
     ):
+        enable_default_cache()
         config = model.config
-        if not isinstance(prefix_cache_rows, int) or prefix_cache_rows < 0:
-            raise ValueError(f"prefix_cache_rows must be an int >= 0, got {prefix_cache_rows!r}")
+        cfg = kv_cache_config
+        max_context = _validate.positive_int("max_context", max_context)
+        if max_context > config.max_context:
+            raise ValueError(
+                f"max_context={max_context} exceeds the model's context of {config.max_context}"
+            )
+        prefix_cache_rows = _validate.positive_int(
+            "prefix_cache_rows", prefix_cache_rows, minimum=0
+        )
+        if max_batch is None:
+            max_batch = cfg.max_batch or 16
+        max_batch = _validate.positive_int("max_batch", max_batch)
+        if max_num_tokens is None:
+            max_num_tokens = getattr(cfg, "max_num_tokens", None) or DEFAULT_MAX_NUM_TOKENS
+        max_num_tokens = _validate.positive_int("max_num_tokens", max_num_tokens)
         if prefill_chunk_size is None:
-            prefill_chunk_size = kv_cache_config.chunk_size or 512
-        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be an int >= 1, got {prefill_chunk_size!r}")
-        max_batch = max_batch or kv_cache_config.max_batch or 16
+            prefill_chunk_size = cfg.chunk_size or max_num_tokens
+        chunk = min(_validate.positive_int("prefill_chunk_size", prefill_chunk_size), max_context)
+        min_bucket = max_num_tokens if min_prefill_bucket is None else min_prefill_bucket
+        min_bucket = _validate.positive_int("min_prefill_bucket", min_bucket)
+        if not isinstance(admission_headroom, float | int) or not 0 <= admission_headroom < 1:
+            raise ValueError(f"admission_headroom must be in [0, 1), got {admission_headroom!r}")
         scratch = resolve_scratch_policy(
-            kv_cache_config,
+            cfg,
             is_multimodal=getattr(config, "is_multimodal", False),
             has_external_kv_draft=getattr(config, "has_external_kv_draft", False),
         )
-        self.chunk = min(prefill_chunk_size, max_context)
         self.layout = make_layout(
             config.layer_specs,
-            kv_cache_config,
+            cfg,
             max_context=max_context,
             max_batch=max_batch + prefix_cache_rows,
-            max_chunk=self.chunk,
+            max_chunk=chunk,
             scratch=scratch,
         )
         self.serving_rows = max_batch
-        # Parked prefixes: prompt prefix -> cache row, least recently used first.
-        self.prefix_entries: collections.OrderedDict[tuple[int, ...], int] = (
-            collections.OrderedDict()
-        )
-        self._entry_slots: dict[int, np.ndarray] = {}
+        self.max_num_tokens = max_num_tokens
+        self.chunk = chunk
+        self.min_prefill_bucket = min(min_bucket, max_num_tokens)
         self.vocab_size = config.vocab_size
         self.implementation = implementation
-        self.min_prefill_bucket = min_prefill_bucket
+        self.max_shares = min(16, max_batch + prefix_cache_rows) if prefix_cache_rows else 0
+        self.headroom = default_headroom(self.num_slots, admission_headroom)
         self.graphdef, self.params = nnx.split(model)
-        self._steps: dict[tuple[bool, bool, str], Callable] = {}
+        self._steps: dict = {}
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._traces_at_start = trace_count(self.layout)
+        self._reset_pool()
+        if precompile:
+            self.precompile()
+
+    def _reset_pool(self) -> None:
+        """A fresh pool, ledger and scheduler (every queued request is dropped)."""
         self.state = init_state(self.layout)
         # The previous step's page tables, updated in place by the gather (per_layer mode).
         self.tables = initial_tables(self.layout)
-        self._need_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._traces_at_start = _TRACES[self.layout]
+        self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
+        self.ledger = SlotLedger(self.layout)
+        self.scheduler = Scheduler(
+            self.ledger,
+            serving_rows=self.serving_rows,
+            max_num_tokens=self.max_num_tokens,
+            chunk=self.chunk,
+            headroom=self.headroom,
+            max_shares=self.max_shares,
+        )
+        self._in_flight = None
+        self._timing: dict[int, _Timing] = {}
+        self._unclaimed: list[RequestOutput] = []
+        self._stats: RunStats | None = None
+        self._logit_rows: dict[int, int] | None = None
+
+    # ------------------------------------------------------------------ properties
 
     @property
     def trace_count(self) -> int:
         """Traces of the step for this engine's layout since the engine was made."""
-        return _TRACES[self.layout] - self._traces_at_start
+        return trace_count(self.layout) - self._traces_at_start
 
     @property
     def num_slots(self) -> tuple[int, ...]:
         return tuple(g.num_slots for g in self.layout.groups)
 
-    def request_need(self, prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
-        """Peak slots per pool group of one request (cached per shape).
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
 
-        The last prefill step samples the first new token, so a request runs
-        max_new_tokens - 1 decode steps.
-        """
-        k = (prompt_len, max_new_tokens)
-        if k not in self._need_cache:
-            self._need_cache[k] = request_slots(
-                self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens - 1
-            )
-        return self._need_cache[k]
+    # ------------------------------------------------------------------ requests
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """ValueError if one request alone can never fit the pool or the context."""
@@ -322,7 +301,10 @@ class Engine:
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
                 f"exceeds the engine's max_context={self.layout.max_context}"
             )
-        need = self.request_need(prompt_len, max_new_tokens)
+        # The last prefill step draws the first new token: max_new_tokens - 1 decode steps.
+        need = request_slots(
+            self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens - 1
+        )
         for g, (n, have) in enumerate(zip(need, self.num_slots, strict=True)):
             if n > have:
                 raise ValueError(
@@ -332,253 +314,403 @@ class Engine:
                     "free_gpu_memory_fraction or shorten the request"
                 )
 
-    def lower_step(self, num_tokens: int, *, decode: bool):
-        """The `jax.stages.Lowered` step for a token bucket, for HLO and memory inspection."""
-        b = self.layout.max_batch
-        return self._step_function(decode, False, SamplingParams().mode).lower(
-            self.params,
-            self.state,
-            jnp.zeros((num_tokens,), jnp.int32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.zeros((b,), bool),
-            jax.random.key(0),
-            SamplingParams().as_arrays(),
-            self.tables,
+    def _make_request(self, prompt, max_new_tokens, sampling, stop_token_ids, key_data):
+        max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
+        prompt = _validate.prompt(
+            "prompt", prompt, self.vocab_size, self.layout.max_context, max_new_tokens
+        )
+        if sampling is None:
+            sampling = SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        stop = frozenset(_validate.token_ids("stop_token_ids", stop_token_ids, self.vocab_size))
+        self.check_fits(len(prompt), max_new_tokens)
+        rid = next(self._ids)
+        if key_data is None:
+            seed = sampling.seed if sampling.seed is not None else 0
+            key_data = request_key_data(seed, None if sampling.seed is not None else rid)
+        return Request(
+            id=rid,
+            prompt=tuple(prompt),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop,
+            sampling=sampling,
+            key_data=key_data,
         )
 
-    def _step_function(self, decode: bool, logits: bool, sampling_mode: str):
-        key = (decode, logits, sampling_mode)
+    def _queue(self, requests: Sequence[Request]) -> list[int]:
+        now = time.perf_counter()
+        for r in requests:
+            self.scheduler.add(r)
+            self._timing[r.id] = _Timing(now)
+        return [r.id for r in requests]
+
+    def add_request(
+        self,
+        prompt,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_token_ids=(),
+    ) -> int:
+        """Queues one request; returns its id. Its tokens come back from `step()`.
+
+        The request's PRNG key comes from `sampling.seed`, else from the engine's request id.
+        ValueError (nothing queued) for a bad prompt or parameters, or a request that can
+        never fit the pool.
+        """
+        with self._lock:
+            r = self._make_request(prompt, max_new_tokens, sampling, stop_token_ids, None)
+            return self._queue([r])[0]
+
+    def abort(self, request_ids) -> None:
+        """Drops these requests (unknown ids raise ValueError); their rows are freed."""
+        with self._lock:
+            ids = list(request_ids)
+            unknown = [i for i in ids if i not in self.scheduler.requests]
+            if unknown:
+                raise ValueError(f"unknown request ids {unknown[:5]}")
+            self.scheduler.abort(ids)
+            self._flush_bookkeeping()
+
+    def clear_prefix_cache(self) -> None:
+        """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
+        with self._lock:
+            self.scheduler.clear_cache()
+            self._flush_bookkeeping()
+
+    # ------------------------------------------------------------------ steps
+
+    def _bucket(self, plan) -> tuple[int, bool]:
+        if plan.decode_only:
+            return _round_up(max(self.serving_rows, 1), MIN_BUCKET), True
+        n = max(plan.num_tokens, self.min_prefill_bucket, MIN_BUCKET)
+        return min(1 << (n - 1).bit_length(), self.max_num_tokens), False
+
+    def _step_function(self, decode: bool, logits: bool, mode: str):
+        key = (decode, logits, mode)
         if key not in self._steps:
             self._steps[key] = step_function(
                 self.graphdef,
                 self.layout,
                 decode=decode,
                 implementation=self.implementation,
+                sampling_mode=mode,
                 logits=logits,
-                sampling_mode=sampling_mode,
             )
         return self._steps[key]
 
-    def _plan_prefixes(self, requests: list[_Request]) -> None:
-        """Sets each request's `reuse` (a shared block-aligned prefix) and `park_at`."""
-        tpb = self.layout.page_size
-        for i, r in enumerate(requests):
-            limit = len(r.prompt) - 1  # the last prompt token is always computed
-            best, source = 0, None
-            for key in self.prefix_entries:
-                if len(key) <= limit and r.prompt[: len(key)] == list(key) and len(key) > best:
-                    best, source = len(key), None
-            for s in requests[:i]:
-                k = min(_common_prefix(r.prompt, s.prompt), limit, len(s.prompt) - 1)
-                k = k // tpb * tpb
-                if k > best:
-                    best, source = k, s
-            r.reuse = best
-            if source is not None:
-                source.park_at = max(source.park_at, best)
-
-    def _need(self, r: _Request, hit: bool) -> tuple[int, ...]:
-        """Peak slots per group of request r's planned steps (from its shared prefix if hit)."""
-        n = len(r.prompt)
-        k = (n, r.max_new_tokens, r.park_at, r.reuse if hit else 0)
-        if k not in self._need_cache:
-            decode = [1] * (r.max_new_tokens - 1)
-            need = steps_slots(self.layout, _prefill_steps(n, self.chunk, 0, r.park_at) + decode)
-            if hit:  # also cover the fallback to a full prefill if the share fails
-                shared = _prefill_steps(n, self.chunk, r.reuse, r.park_at) + decode
-                need = tuple(np.maximum(need, steps_slots(self.layout, shared)))
-            self._need_cache[k] = need
-        return self._need_cache[k]
-
-    def _evict(self, keep=None) -> bool:
-        """Frees the least recently used parked prefix other than `keep`; False if none."""
-        for key, row in self.prefix_entries.items():
-            if key != keep:
-                del self.prefix_entries[key]
-                del self._entry_slots[row]
-                self._free_rows([row])
-                return True
-        return False
-
-    def clear_prefix_cache(self) -> None:
-        """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
-        while self._evict():
-            pass
-
-    def _free_rows(self, rows) -> None:
-        mask = np.zeros(self.layout.max_batch, bool)
-        mask[list(rows)] = True
-        self.state = _free_jit(self.layout, self.state, jnp.asarray(mask))
-
-    def _share(self, src: int, dst: int, num_tokens: int) -> bool:
-        ok, self.state = _share_jit(
-            self.layout, self.state, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens)
+    def _dispatch(self, plan) -> None:
+        num_tokens, decode = self._bucket(plan)
+        inputs = step_inputs(
+            plan,
+            num_tokens=max(num_tokens, plan.num_tokens),
+            max_batch=self.layout.max_batch,
+            max_shares=self.max_shares,
+            sampling=lambda r: r.sampling.row_values(),
         )
-        return bool(ok)
+        mode = step_mode([r.sampling for r, _ in plan.samples.values()])
+        logits = self._stats is not None and self._stats.step_logits is not None
+        step = self._step_function(decode, logits, mode)
+        with _sigint_deferred():
+            out = step(self.params, self.state, self.tables, self._prev_tokens, inputs)
+            self.state, self.tables, self._prev_tokens = out.state, out.tables, out.next_tokens
+        self._in_flight = (plan, out)
+        stats = self._stats
+        if stats is not None:
+            stats.steps += 1
+            for row, n in plan.new_tokens.items():
+                if n > 1 or row not in plan.samples or plan.samples[row][1] == 0:
+                    stats.prefill_tokens += n
+                else:
+                    stats.decode_tokens += n
+            stats.max_concurrent = max(stats.max_concurrent, len(plan.new_tokens))
+            stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, plan.used))
+            stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, plan.used))
 
-    def _park(self, row: int, r: _Request) -> None:
-        """Parks the first r.park_at tokens of row's history in a cache row."""
-        key = tuple(r.prompt[: r.park_at])
-        if key in self.prefix_entries:
+    def _collect(self) -> list[RequestOutput]:
+        """Reads the step in flight and records its tokens; returns the outputs."""
+        if self._in_flight is None:
+            return []
+        plan, out = self._in_flight
+        self._in_flight = None
+        next_tokens = np.asarray(out.next_tokens)
+        if not bool(out.ok):
+            raise RuntimeError(
+                "internal error: a step's slot reservation or prefix share failed on the "
+                f"device although the host ledger planned it (new_tokens={plan.new_tokens})"
+            )
+        used = tuple(int(x) for x in np.asarray(out.used))
+        if used != tuple(plan.used):
+            raise RuntimeError(
+                f"internal error: the device holds {used} slots per group, the ledger {plan.used}"
+            )
+        tokens = {row: int(next_tokens[row]) for row in plan.samples}
+        before = {row: len(r.output) for row, (r, _) in plan.samples.items()}
+        changed = self.scheduler.on_sampled(plan, tokens)
+        now = time.perf_counter()
+        stats = self._stats
+        outputs = []
+        for row, (r, _) in plan.samples.items():
+            if r not in changed:
+                continue
+            timing = self._timing[r.id]
+            if stats is not None:
+                stats.output_tokens += 1
+                if timing.last is None:
+                    stats.ttft_s.append(now - timing.added)
+                else:
+                    stats.itl_s.append(now - timing.last)
+                if stats.step_logits is not None and out.logits is not None:
+                    stats.step_logits.append(
+                        (self._logit_rows.get(r.id, r.id), before[row], np.asarray(out.logits[row]))
+                    )
+            timing.last = now
+            new = tuple(r.output[before[row] :])
+            finished = r.status == FINISHED
+            outputs.append(RequestOutput(r.id, new, tuple(r.output), finished, r.finish_reason))
+            if finished:
+                self.scheduler.requests.pop(r.id, None)
+                self._timing.pop(r.id, None)
+        return outputs
+
+    def _apply_bookkeeping(self, plan) -> None:
+        """Runs a plan without tokens (frees and shares only) on the device."""
+        inputs = step_inputs(
+            plan,
+            num_tokens=0,
+            max_batch=self.layout.max_batch,
+            max_shares=self.max_shares,
+            sampling=lambda r: (0.0, 0, 1.0),
+        )
+        with _sigint_deferred():
+            ok, self.state = bookkeeping_step(
+                self.layout, self.state, inputs.free_a, inputs.shares_a, inputs.free_b
+            )
+        if not bool(ok):
+            raise RuntimeError("internal error: a bookkeeping share failed on the device")
+
+    def _flush_bookkeeping(self) -> None:
+        """Frees on the device now the rows the scheduler released outside a step."""
+        plan = self.scheduler.bookkeeping_plan()
+        if plan is not None:
+            self._apply_bookkeeping(plan)
+
+    def _drain(self) -> None:
+        """Reads the step in flight; its outputs come with the next `step()`."""
+        if self._in_flight is not None:
+            self._unclaimed += self._collect()
+
+    def step(self) -> list[RequestOutput]:
+        """Plans and dispatches the next step, then reads the one before it.
+
+        Returns the outputs of the requests that got tokens in the step read (empty after the
+        first call of a run: that step's tokens come with the next call).
+        """
+        with self._lock:
+            outputs, self._unclaimed = self._unclaimed, []
+            previous, self._in_flight = self._in_flight, None
+            plan = self.scheduler.schedule() if self.scheduler.has_work else None
+            if plan is not None:
+                if plan.new_tokens:
+                    self._dispatch(plan)
+                else:
+                    self._apply_bookkeeping(plan)
+            current, self._in_flight = self._in_flight, previous
+            outputs += self._collect()
+            self._in_flight = current
+            if plan is None and previous is None and self.scheduler.has_work:
+                raise RuntimeError(
+                    "internal error: requests are queued but the scheduler planned no step"
+                )
+            return outputs
+
+    # ------------------------------------------------------------------ loops
+
+    def _guarded(self, ids: list[int]):
+        """Context: on any exception, abort `ids` and leave the engine consistent."""
+        engine = self
+
+        class _Guard:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, exc_type, exc, tb):
+                if exc_type is None:
+                    return False
+                engine._recover(ids)
+                return False
+
+        return _Guard()
+
+    def _recover(self, ids: list[int]) -> None:
+        leaves = jax.tree.leaves((self.state, self.tables, self._prev_tokens))
+        if any(x.is_deleted() for x in leaves):
+            self._reset_pool()  # the donated state is gone: start from an empty pool
             return
-        used = set(self.prefix_entries.values())
-        free = [c for c in range(self.serving_rows, self.layout.max_batch) if c not in used]
-        if not free:
-            self._evict()
-            used = set(self.prefix_entries.values())
-            free = [c for c in range(self.serving_rows, self.layout.max_batch) if c not in used]
-        if self._share(row, free[0], r.park_at):
-            self.prefix_entries[key] = free[0]
-            self._entry_slots[free[0]] = np.asarray(_row_slots_jit(self.layout, self.state))[
-                :, free[0]
-            ]
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - the step itself failed; its state is still held
+            self._in_flight = None
+        self.scheduler.abort([i for i in ids if i in self.scheduler.requests])
+        self._flush_bookkeeping()
+        self._unclaimed = [o for o in self._unclaimed if o.request_id not in set(ids)]
 
-    def run(
+    def _new_requests(self, prompts, max_new_tokens, sampling, seed, stop_token_ids):
+        max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
+        prompts = _validate.prompts(
+            prompts, self.vocab_size, self.layout.max_context, max_new_tokens
+        )
+        seed = _check_seed(seed)
+        sampling = sampling or SamplingParams()
+        requests = []
+        for i, p in enumerate(prompts):
+            key = request_key_data(sampling.seed if sampling.seed is not None else seed, i)
+            requests.append(self._make_request(p, max_new_tokens, sampling, stop_token_ids, key))
+        return requests
+
+    def stream(
         self,
-        prompts: list[list[int]],
+        prompts,
         max_new_tokens: int,
         *,
         sampling: SamplingParams | None = None,
         seed: int = 0,
+        stop_token_ids=(),
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yields (prompt index, output) as tokens come, until every prompt has finished."""
+        with self._lock:
+            requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
+            ids = self._queue(requests)
+            index = {rid: i for i, rid in enumerate(ids)}
+            remaining = set(ids)
+            with self._guarded(ids):
+                while remaining:
+                    for out in self.step():
+                        if out.request_id in index:
+                            if out.finished:
+                                remaining.discard(out.request_id)
+                            yield index[out.request_id], out
+                        else:
+                            self._unclaimed.append(out)
+
+    def run(
+        self,
+        prompts,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        stop_token_ids=(),
         collect_logits: bool = False,
         progress: bool = False,
+        callback=None,
     ) -> tuple[list[list[int]], RunStats]:
-        """Generates max_new_tokens tokens for every prompt; returns (outputs, stats)."""
-        sampling = sampling or SamplingParams()
-        for p in prompts:
-            self.check_fits(len(p), max_new_tokens)
-        sampling_arrays = sampling.as_arrays()
-        base_key = jax.random.key(seed)
-        layout, num_rows = self.layout, self.serving_rows
-        caching = layout.max_batch > num_rows
-        requests = [
-            _Request(i, list(p), max_new_tokens, self.request_need(len(p), max_new_tokens))
-            for i, p in enumerate(prompts)
-        ]
-        if caching:
-            self._plan_prefixes(requests)
-        waiting = collections.deque(requests)
-        rows: list[_Request | None] = [None] * num_rows
-        held = np.zeros(len(self.num_slots), np.int64)
-        capacity = np.asarray(self.num_slots)
-        finished = np.zeros(layout.max_batch, bool)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        zeros = (0,) * len(capacity)
-        stats = RunStats(num_slots=self.num_slots, peak_slots=zeros, slot_steps=zeros)
-        stats.step_logits = [] if collect_logits else None
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        """Generates up to max_new_tokens tokens for every prompt; returns (outputs, stats).
 
-            bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="generate")
-        t0 = time.perf_counter()
-        while waiting or any(r is not None for r in rows):
-            if caching and finished.any():  # rows must be empty before a prefix is shared in
-                self._free_rows(np.flatnonzero(finished))
-                finished[:] = False
-            for b in range(num_rows):
-                if rows[b] is not None or not waiting:
-                    continue
-                r = waiting[0]
-                key = tuple(r.prompt[: r.reuse])
-                entry = self.prefix_entries.get(key) if r.reuse else None
-                if caching:
-                    r.need = self._need(r, hit=entry is not None)
-                while not np.all(held + r.need + sum(self._entry_slots.values(), 0) <= capacity):
-                    if not self._evict(keep=key if entry is not None else None):
-                        break
-                if not np.all(held + r.need + sum(self._entry_slots.values(), 0) <= capacity):
-                    break
-                rows[b] = waiting.popleft()
-                held += r.need
-                if entry is not None and self._share(entry, b, r.reuse):
-                    self.prefix_entries.move_to_end(key)
-                    r.fed = r.reuse
-                    stats.prefix_hits += 1
-                    stats.prefix_tokens += r.reuse
-            active = [b for b in range(num_rows) if rows[b] is not None]
-            if not active:  # cannot happen: check_fits guarantees one request fits an empty pool
-                raise RuntimeError("no request could be admitted into an empty pool")
-            stats.max_concurrent = max(stats.max_concurrent, len(active))
-            new_tokens = np.zeros(layout.max_batch, np.int32)
-            chunks = []
-            for b in active:
-                r = rows[b]
-                piece = r.next_piece(self.chunk) if r.fed < len(r.prompt) else [r.out[-1]]
-                new_tokens[b] = len(piece)
-                chunks.append(piece)
-            decode = bool(np.all(new_tokens <= 1))
-            flat = [t for piece in chunks for t in piece]
-            size = (
-                _bucket(len(flat)) if decode else _bucket(max(len(flat), self.min_prefill_bucket))
-            )
-            tokens = np.zeros(size, np.int32)
-            tokens[: len(flat)] = flat
-            key = jax.random.fold_in(base_key, stats.steps)
-            step = self._step_function(decode, collect_logits, sampling.mode)
-            self.state, next_tokens, ok, logits, free, tables = step(
-                self.params,
-                self.state,
-                jnp.asarray(tokens),
-                jnp.asarray(new_tokens),
-                jnp.asarray(finished),
-                key,
-                sampling_arrays,
-                self.tables,
-            )
-            if self.tables is not None:
-                self.tables = tables
-            next_tokens = np.asarray(next_tokens)
-            if not bool(ok):
-                raise RuntimeError(
-                    "internal error: a step's slot reservation failed despite admission control "
-                    f"(new_tokens={new_tokens.tolist()}); the pool state is unchanged"
-                )
-            used = capacity - np.asarray(free)
-            stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, used))
-            stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, used))
-            stats.steps += 1
-            finished[:] = False
-            for b in active:
-                r = rows[b]
-                if r.fed < len(r.prompt):
-                    r.fed += int(new_tokens[b])
-                    stats.prefill_tokens += int(new_tokens[b])
-                    if caching and r.park_at and r.fed == r.park_at:
-                        self._park(b, r)
-                    if r.fed < len(r.prompt):
-                        continue
-                else:
-                    stats.decode_tokens += 1
-                r.out.append(int(next_tokens[b]))
-                if collect_logits:
-                    stats.step_logits.append((r.index, len(r.out) - 1, np.asarray(logits[b])))
+        stop_token_ids end a request early (the stop token is its last output token).
+        callback(prompt index, RequestOutput), if given, sees every output as it comes.
+        """
+        with self._lock:
+            requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
+            stats = RunStats(num_slots=self.num_slots)
+            zeros = (0,) * len(self.num_slots)
+            stats.peak_slots, stats.slot_steps = zeros, zeros
+            stats.step_logits = [] if collect_logits else None
+            counters = dataclasses.replace(self.scheduler.counters)
+            self._stats = stats
+            self._logit_rows = {}
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(requests) * max_new_tokens, unit="tok", desc="generate")
+            outputs: list[list[int]] = [[] for _ in requests]
+            t0 = time.perf_counter()
+            try:
+                ids = self._queue(requests)
+                self._logit_rows = {rid: i for i, rid in enumerate(ids)}
+                index = dict(self._logit_rows)
+                remaining = set(ids)
+                with self._guarded(ids):
+                    while remaining:
+                        for out in self.step():
+                            i = index.get(out.request_id)
+                            if i is None:
+                                self._unclaimed.append(out)
+                                continue
+                            outputs[i] = list(out.token_ids)
+                            if bar is not None:
+                                bar.update(len(out.new_token_ids))
+                            if callback is not None:
+                                callback(i, out)
+                            if out.finished:
+                                remaining.discard(out.request_id)
+                    jax.block_until_ready(self.state)
+            finally:
+                stats.seconds = time.perf_counter() - t0
+                c = self.scheduler.counters
+                stats.preemptions = c.preemptions - counters.preemptions
+                stats.evictions = c.evictions - counters.evictions
+                stats.prefix_hits = c.prefix_hits - counters.prefix_hits
+                stats.prefix_tokens = c.prefix_tokens - counters.prefix_tokens
+                self._stats, self._logit_rows = None, None
                 if bar is not None:
-                    bar.update(1)
-                if r.done:
-                    outputs[r.index] = r.out
-                    rows[b] = None
-                    held -= r.need
-                    finished[b] = True
-        if finished.any():
-            self._free_rows(np.flatnonzero(finished))
-        jax.block_until_ready(self.state)
-        stats.seconds = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        return outputs, stats
+                    bar.close()
+            return outputs, stats
+
+    # ------------------------------------------------------------------ compilation
+
+    def step_buckets(self) -> list[tuple[int, bool]]:
+        """Every (token bucket, decode) step shape this engine can run."""
+        buckets, n = [], max(self.min_prefill_bucket, MIN_BUCKET)
+        while True:
+            t = min(1 << (n - 1).bit_length(), self.max_num_tokens)
+            buckets.append((t, False))
+            if t >= self.max_num_tokens:
+                break
+            n = t + 1
+        return [(_round_up(self.serving_rows, MIN_BUCKET), True), *buckets]
+
+    def precompile(self, modes=("greedy",)) -> None:
+        """Compiles every step shape of `step_buckets` for the sampling modes, in threads."""
+        import concurrent.futures
+
+        jobs = [(t, d, m) for t, d in self.step_buckets() for m in modes]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
+            list(pool.map(lambda job: self._lower(*job).compile(), jobs))
+
+    def _lower(self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None):
+        b, s = self.layout.max_batch, self.max_shares
+        sds = jax.ShapeDtypeStruct
+        inputs = StepInputs(
+            sds((num_tokens,), jnp.int32),
+            sds((num_tokens,), jnp.int32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.bool_),
+            sds((s, 3), jnp.int32),
+            sds((b,), jnp.bool_),
+            sds((s, 3), jnp.int32),
+            sds((b, 2), jnp.uint32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.float32),
+            sds((b,), jnp.int32),
+            sds((b,), jnp.float32),
+        )
+        step = self._step_function(decode, False, mode)
+        args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
+        return step.trace(*args).lower(lowering_platforms=lowering_platforms)
+
+    # ------------------------------------------------------------------ inspection
+
+    def lower_step(self, num_tokens: int, *, decode: bool, lowering_platforms=None):
+        """The `jax.stages.Lowered` greedy step for a token bucket, for HLO and memory
+        inspection. lowering_platforms: e.g. ("cuda",) to lower for a GPU on a machine without
+        one (with `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels).
+        """
+        return self._lower(num_tokens, decode, "greedy", lowering_platforms)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _share_jit(layout, state, src, dst, num_tokens):
-    return share_prefix(layout, state, src, dst, num_tokens)
+def _check_seed(seed) -> int:
+    from swajax._sampling import check_seed
 
-
-@functools.partial(jax.jit, static_argnums=0)
-def _row_slots_jit(layout, state):
-    return row_slots(layout, state)
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _free_jit(layout, state, rows):
-    return free_rows(layout, state, rows)
+    return check_seed(seed)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
+import threading
+import weakref
 
+import jax
+from flax import nnx
+
+from swajax import _validate
 from swajax._config import KVCacheConfig
 from swajax._engine import Engine
 from swajax._sampling import SamplingParams
@@ -11,36 +16,55 @@ from swajax._sampling import SamplingParams
 
 def validate_prompts(prompts, vocab_size: int, max_context: int, max_new_tokens: int):
     """Checks the request and returns the prompts as lists of ints; ValueError on bad input."""
-    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
-    out = []
-    for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {i} has token ids {bad[:5]} outside [0, {vocab_size}) (the vocabulary)"
-            )
-        total = len(p) + max_new_tokens
-        if total > max_context:
-            raise ValueError(
-                f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} = {total} "
-                f"exceeds the model's context of {max_context} tokens"
-            )
-        out.append(p)
-    return out
+    return _validate.prompts(
+        prompts, vocab_size, max_context, max_new_tokens, "the model's context"
+    )
 
 
 def _round_context(n: int, page_size: int) -> int:
     """Engine context for n tokens: a power-of-two number of blocks (few distinct layouts)."""
     blocks = -(-n // page_size)
     return (1 << max(blocks - 1, 0).bit_length()) * page_size
+
+
+class _EngineCache:
+    """The engine of the last `generate` call, reused while the model and settings allow.
+
+    One engine is kept (its KV pool holds most of the device's free memory): a call with other
+    settings, a longer context or more rows than it has builds a new one, after dropping the
+    old. Changed parameters (the model was trained or edited since) are taken up again.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.model = None  # weakref
+        self.key = None
+        self.engine = None
+        self.leaves = ()
+
+    def get(self, model, key, max_context, rows, build):
+        with self.lock:
+            fresh = self.model is not None and self.model() is model and self.key == key
+            e = self.engine
+            if fresh and e.layout.max_context >= max_context and e.serving_rows >= rows:
+                leaves = jax.tree.leaves(nnx.state(model))
+                if any(a is not b for a, b in zip(leaves, self.leaves, strict=True)):
+                    e.params = nnx.split(model)[1]
+                    self.leaves = leaves
+                return e
+            self.engine = None  # free the old pool before the new one is made
+            self.engine = build()
+            self.model, self.key = weakref.ref(model), key
+            self.leaves = jax.tree.leaves(nnx.state(model))
+            return self.engine
+
+    def clear(self):
+        with self.lock:
+            self.model = self.key = self.engine = None
+            self.leaves = ()
+
+
+ENGINE_CACHE = _EngineCache()
 
 
 def generate(
@@ -54,41 +78,63 @@ def generate(
     seed: int = 0,
     implementation: str = "auto",
     max_batch: int | None = None,
+    max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
+    stop_token_ids=(),
 ) -> list[list[int]]:
-    """Generates `max_new_tokens` token ids for each prompt on a paged KV cache.
+    """Generates up to `max_new_tokens` token ids for each prompt on a paged KV cache.
 
     Args:
       model: e.g. a `gemma.Transformer`.
       prompts: a list of token-id lists (ragged lengths).
-      max_new_tokens: tokens generated per prompt.
+      max_new_tokens: tokens generated per prompt (fewer if a stop token comes first).
       kv_cache_config: page size, byte quota, scratch reuse, KV dtype... (default
         `KVCacheConfig()`).
-      prefill_chunk_size: prompt tokens per sequence per step (chunked prefill).
+      prefill_chunk_size: most prompt tokens of one sequence in one step.
       sampling: `SamplingParams` (default greedy).
-      seed: PRNG seed of sampling.
+      seed: PRNG seed of sampling (request i draws from a key of (seed, i)).
       implementation: attention kernels, "reference", "pallas" or "auto".
       max_batch: sequences served at once (default kv_cache_config.max_batch, else
-        min(len(prompts), 16)). More prompts than rows, or than the pool holds, are served in
-        waves.
+        min(len(prompts), 16); never more than the prompts). More prompts than rows, or than
+        the pool holds, are served as rows and slots free up.
+      max_num_tokens: token budget of one step (see `Engine`).
       prefix_cache_rows: rows that park shared prompt prefixes so that prompts sharing a
         block-aligned prefix skip its prefill (see `Engine`); 0 disables the prefix cache.
+      stop_token_ids: tokens that end a sequence (returned as its last token).
 
     Returns:
       The generated token ids of each prompt, in order.
+
+    The engine is kept for the next call with the same model and settings
+    (`swajax._generate.ENGINE_CACHE`; `.clear()` frees it), so repeated calls compile nothing.
     """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
+    max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
     prompts = validate_prompts(prompts, config.vocab_size, config.max_context, max_new_tokens)
+    if max_batch is not None:
+        max_batch = _validate.positive_int("max_batch", max_batch)
+    rows = min(max_batch or cfg.max_batch or 16, len(prompts))
     longest = max(len(p) for p in prompts) + max_new_tokens
-    engine = Engine(
+    max_context = min(_round_context(longest, cfg.page_size), config.max_context)
+    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows)
+    engine = ENGINE_CACHE.get(
         model,
-        cfg,
-        max_context=min(_round_context(longest, cfg.page_size), config.max_context),
-        max_batch=max_batch or cfg.max_batch or min(len(prompts), 16),
-        prefill_chunk_size=prefill_chunk_size,
-        implementation=implementation,
-        prefix_cache_rows=prefix_cache_rows,
+        key,
+        max_context,
+        rows,
+        lambda: Engine(
+            model,
+            cfg,
+            max_context=max_context,
+            max_batch=rows,
+            max_num_tokens=max_num_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            implementation=implementation,
+            prefix_cache_rows=prefix_cache_rows,
+        ),
     )
-    outputs, _ = engine.run(prompts, max_new_tokens, sampling=sampling, seed=seed)
+    outputs, _ = engine.run(
+        prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
+    )
     return outputs

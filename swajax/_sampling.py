@@ -1,20 +1,40 @@
-"""Token sampling: greedy, temperature, top-k and top-p, with per-call parameters as arrays.
+"""Token sampling: greedy, temperature, top-k and top-p, with per-row parameters as arrays.
 
 Axis names: B = batch rows, V = vocabulary.
 
-The sampling parameters are traced values (arrays); the engine compiles one step per sampling
-mode (greedy, sample, filter: `SamplingParams.mode`), so changing temperature, top-k or top-p
-within a mode never recompiles the generation step.
+Every row of a step carries its own temperature, top-k, top-p and PRNG key (traced arrays), so
+requests with different sampling parameters share one compiled step. The one static choice is
+the mode (greedy, sample, filter: `SamplingParams.mode`, the cheapest exact for every row of
+the step), because a conditional on a GPU syncs the host with the device every step.
+
+Reproducibility: request r's token k is drawn with `fold_in(request_key(r), k)`, independent
+of the batch row, the step and the other requests, so a preempted and recomputed request
+draws the same tokens as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG = -1e30  # finite "minus infinity" for masked logits
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """The seed as a Python int; ValueError unless an integer in [0, 2**63 - 1]."""
+    if not _is_int(seed) or not 0 <= int(seed) <= MAX_SEED:
+        raise ValueError(f"{name} must be an integer in [0, 2**63 - 1], got {seed!r}")
+    return int(seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,19 +46,31 @@ class SamplingParams:
       top_k: keep only the k most likely tokens (None or 0: all).
       top_p: keep the smallest set of most likely tokens whose probability reaches p
         (None or 1.0: all).
+      seed: the request's PRNG seed (an integer in [0, 2**63 - 1]); None takes the engine
+        call's seed combined with the request's position in it.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be None or >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        object.__setattr__(self, "temperature", float(t))
+        if self.top_k is not None:
+            if not _is_int(self.top_k) or self.top_k < 0:
+                raise ValueError(f"top_k must be None or an int >= 0, got {self.top_k!r}")
+            object.__setattr__(self, "top_k", int(self.top_k))
+        p = self.top_p
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p <= 1.0:
+                raise ValueError(f"top_p must be None or in (0, 1], got {p!r}")
+            object.__setattr__(self, "top_p", float(p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_seed(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -61,8 +93,37 @@ class SamplingParams:
             top_p=jnp.float32(1.0 if self.top_p is None else self.top_p),
         )
 
+    def row_values(self) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) of one batch row (0 and 1.0 for "keep all")."""
+        return self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p
+
 
 MODES = ("filter", "sample", "greedy")
+
+
+def step_mode(params) -> str:
+    """The cheapest mode exact for every SamplingParams in `params` (greedy if none)."""
+    modes = {p.mode for p in params}
+    return next((m for m in MODES if m in modes), "greedy")
+
+
+def request_key_data(seed: int, index: int | None = None) -> np.ndarray:
+    """u32[2]: the threefry key data of a request from its seed (and position in a call).
+
+    Host-side (numpy's SeedSequence mixes the entropy), so choosing a request's key costs no
+    device work. `jax.random.wrap_key_data` turns it into a key.
+    """
+    entropy = [check_seed(seed)] if index is None else [check_seed(seed), int(index)]
+    return np.random.SeedSequence(entropy).generate_state(2, np.uint32)
+
+
+def token_keys(key_data: jax.Array, token_index: jax.Array) -> jax.Array:
+    """Keys [B] for each row's next token: fold_in(key of the row's request, token index).
+
+    key_data: u32[B, 2] (`request_key_data` per row); token_index: i32[B].
+    """
+    keys = jax.random.wrap_key_data(key_data)
+    return jax.vmap(jax.random.fold_in)(keys, token_index.astype(jnp.uint32))
 
 
 def sample(
@@ -78,15 +139,14 @@ def sample(
 
     Args:
       logits: f[B, V].
-      key: a PRNG key.
-      temperature: f32 scalar; 0 selects argmax.
-      top_k: i32 scalar; 0 keeps every token.
-      top_p: f32 scalar in (0, 1]; 1 keeps every token.
+      key: one PRNG key (split per row) or keys [B], one per row.
+      temperature: f32 scalar or [B]; 0 selects argmax.
+      top_k: i32 scalar or [B]; 0 keeps every token.
+      top_p: f32 scalar or [B] in (0, 1]; 1 keeps every token.
       mode: static. "filter" (default) is exact for every parameter value, so changing them
         never recompiles; "sample" (temperature > 0, no top-k / top-p) and "greedy"
         (temperature 0) skip the work those parameters make useless: the sort of the
-        vocabulary, the softmax. The modes are static rather than a `lax.cond` because a
-        conditional on a GPU syncs the host with the device every step.
+        vocabulary, the softmax.
 
     Returns:
       i32[B] token ids.
@@ -97,23 +157,31 @@ def sample(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
         return greedy
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+    batch = logits.shape[0]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch,))
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,))
+    keys = key if key.shape == (batch,) else jax.random.split(key, batch)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     masked = _filter(scaled, top_k, top_p) if mode == "filter" else scaled
-    drawn = jax.random.categorical(key, masked, axis=-1).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
     return jnp.where(temperature > 0.0, drawn, greedy)
 
 
 def _filter(scaled, top_k, top_p):
-    """scaled logits f[B, V] with the tokens outside top-k / top-p set to a finite -inf."""
+    """scaled logits f[B, V] with the tokens outside top-k / top-p set to a finite -inf.
+
+    top_k i32[B], top_p f32[B].
+    """
     vocab = scaled.shape[-1]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
-    rank = jnp.arange(vocab)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[None, None].repeat(scaled.shape[0], 0), -1)
+    rank = jnp.arange(vocab)[None]  # [1, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]  # [B, 1]
+    kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)  # [B, 1]
     # top-p over the top-k survivors: a token stays while the mass before it is < p.
-    sorted_probs = jax.nn.softmax(jnp.where(rank[None] < k, sorted_logits, _NEG), axis=-1)
+    sorted_probs = jax.nn.softmax(jnp.where(rank < k, sorted_logits, _NEG), axis=-1)
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = (mass_before < top_p) & (rank[None] < k)
+    keep_sorted = (mass_before < top_p[:, None]) & (rank < k)
     # The smallest kept logit is the threshold; ties at the threshold are all kept.
     threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(threshold, kth)

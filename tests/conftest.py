@@ -1,7 +1,12 @@
 """Shared pytest set-up: full-precision float32 matmuls, `gpu` tests skipped without a GPU."""
 
+import os
+
 import jax
 import pytest
+
+# Tests compile into a fresh process state; the persistent cache is tested on its own.
+os.environ.setdefault("SWAJAX_COMPILATION_CACHE", "0")
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import chex
 import jax.numpy as jnp
 import pytest
 
@@ -257,7 +258,7 @@ def test_config_from_hf_rejects(hf, match):
 def test_gemma4_proportional_rope_frequencies():
     # HF _compute_proportional_rope_parameters for head_dim 512, partial 0.25, base 1e6.
     inv = configs.gemma4_e2b().rope_full.inv_freq(512)
-    assert inv.shape == (256,)
+    chex.assert_shape(inv, (256,))
     assert (inv[64:] == 0).all() and (inv[:64] > 0).all()
     assert inv[1] == pytest.approx(1e6 ** (-2 / 512), rel=1e-6)
     linear = configs.gemma3_4b().rope_full.inv_freq(256)

@@ -8,6 +8,7 @@ on the GPU machine) and is skipped elsewhere.
 import functools
 from pathlib import Path
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ RTOL = 1e-4
 def assert_logits_close(actual, expected, what: str) -> None:
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    chex.assert_equal_shape([actual, expected])
     rel = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
     max_abs = np.max(np.abs(actual - expected))
     assert rel <= RTOL, f"{what}: relative error {rel:.3e} > {RTOL:g} (max abs error {max_abs:.3e})"

@@ -4,6 +4,7 @@ import functools
 import json
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -75,20 +76,22 @@ def test_full_size_forward_shapes(name):
         return nnx.merge(graphdef, state)(tokens)
 
     out = jax.eval_shape(logits, state, tokens)
-    assert out.shape == (1, 8, model.config.vocab_size) and out.dtype == jnp.float32
+    chex.assert_shape(out, (1, 8, model.config.vocab_size))
+    chex.assert_type(out, jnp.float32)
 
 
 def test_layer_parameter_shapes():
     """Per-layer geometry of the 26B-A4B and E2B presets (HF tensor shapes, einsum layouts)."""
     moe = abstract_model("gemma4_26b_a4b")
     full, sliding = moe.layers[5], moe.layers[0]
-    assert full.attn.q_proj.shape == (2816, 16, 512)
-    assert full.attn.k_proj.shape == (2816, 2, 512) and full.attn.v_proj is None
-    assert sliding.attn.v_proj.shape == (2816, 8, 256)
-    assert sliding.moe.gate_proj.shape == (128, 2816, 704)
-    assert sliding.moe.down_proj.shape == (128, 704, 2816)
+    chex.assert_shape(full.attn.q_proj, (2816, 16, 512))
+    chex.assert_shape(full.attn.k_proj, (2816, 2, 512))
+    assert full.attn.v_proj is None
+    chex.assert_shape(sliding.attn.v_proj, (2816, 8, 256))
+    chex.assert_shape(sliding.moe.gate_proj, (128, 2816, 704))
+    chex.assert_shape(sliding.moe.down_proj, (128, 704, 2816))
     e2b = abstract_model("gemma4_e2b")
     assert e2b.layers[15].attn.k_proj is None  # KV-shared
-    assert e2b.layers[15].mlp.gate_proj.shape == (1536, 2 * 6144)
-    assert e2b.per_layer_embedding.shape == (262_144, 35 * 256)
-    assert e2b.layers[0].layer_scalar.shape == (1,)
+    chex.assert_shape(e2b.layers[15].mlp.gate_proj, (1536, 2 * 6144))
+    chex.assert_shape(e2b.per_layer_embedding, (262_144, 35 * 256))
+    chex.assert_shape(e2b.layers[0].layer_scalar, (1,))

@@ -190,7 +190,7 @@ def test_batch_larger_than_pool_is_served_in_waves():
     probe = swajax.Engine(
         model, kv_config(True), max_context=128, max_batch=5, prefill_chunk_size=16
     )
-    need = np.asarray(probe.request_need(33, 4))
+    need = np.asarray(swajax.request_slots(probe.layout, 33, chunk=16, max_new_tokens=3))
     slot_bytes = [probe.layout.slot_bytes(g) for g in range(len(need))]
     # Room for about two requests at a time.
     quota = int(sum(2 * n * b for n, b in zip(need, slot_bytes, strict=True)) * 1.05)
@@ -221,9 +221,9 @@ def test_generate_public_entry_point_and_sampling():
     greedy = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
     assert greedy == dense_greedy(model, prompts, 3)
     # A second call with the same shapes reuses the compiled steps.
-    traces = sum(swajax._engine._TRACES.values())
+    traces = sum(swajax._runner._TRACES.values())
     again = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
-    assert again == greedy and sum(swajax._engine._TRACES.values()) == traces
+    assert again == greedy and sum(swajax._runner._TRACES.values()) == traces
     sampling = swajax.SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
     a = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
     b = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
@@ -263,7 +263,7 @@ def test_compiled_step_updates_pool_roots_in_place():
     engine = swajax.Engine(
         model,
         kv_config(True, max_gpu_total_bytes=32 << 20),
-        max_context=2048,
+        max_context=512,
         max_batch=2,
         prefill_chunk_size=32,
         implementation="reference",
@@ -322,7 +322,7 @@ def _round_queries_to_bf16(patch):
             return _fn(q.astype(jnp.bfloat16).astype(q.dtype), *args, **kwargs)
 
         patch.setattr(paged, name, rounded)
-    swajax._engine.step_function.cache_clear()
+    swajax._runner.step_function.cache_clear()
 
 
 @pytest.mark.gpu
@@ -369,7 +369,7 @@ def test_pallas_generation_matches_reference_on_gpu(family, monkeypatch):
                     dtype=jnp.bfloat16,
                 )
             finally:
-                swajax._engine.step_function.cache_clear()  # no patched step outlives the test
+                swajax._runner.step_function.cache_clear()  # no patched step outlives the test
         runs[impl] = (outputs, _logits_by_token(stats))
     (ref_tokens, ref), (pallas_tokens, pallas) = runs["reference"], runs["pallas"]
     assert len(ref_tokens) == len(pallas_tokens) == len(prompts)

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from gemma import configs
 from pallas_kernels import _checks
 from pallas_kernels.kv_write import kv_write, kv_write_reference
 
@@ -205,3 +206,68 @@ def test_kv_write_kernel_gpu_large():
         1.0,
     )
     _same(got, want)
+
+
+# Every (KV heads, head_dim) of the presets, from gemma.configs (never a hand-written list).
+PRESET_KV_GEOMETRIES = sorted(
+    {(g.num_kv_heads, g.head_dim) for g in configs.attention_geometries()}
+)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("num_kv_heads,head_dim", PRESET_KV_GEOMETRIES)
+def test_kv_write_kernel_preset_geometries(num_kv_heads, head_dim, dtype, mode):
+    """Ragged chunk, decode rows and a BAD page at every preset's KV geometry: exact pages."""
+    page_size = {128: 16, 256: 32, 512: 64}[head_dim]
+    seed = 31 * num_kv_heads + head_dim
+    page_table, q_starts, kv_lens, k, v, shape = make_write_case(
+        seed,
+        [11, 1, 0, 1],
+        [page_size + 9, 2 * page_size, 4, 1],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_tokens=16,
+        bad_block=(1, 1),
+    )
+    pool = np.full(shape, np.nan, np.float32).astype(jnp.dtype(dtype))
+    ks, vs = (0.25, 0.5) if dtype == jnp.float8_e4m3fn else (None, None)
+    k16, v16 = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    ctx = _checks.force_interpret() if mode == "interpret" else _checks.force_compiled()
+    with ctx:
+        write = jax.jit(
+            lambda *a: kv_write(*a, k_scale=ks, v_scale=vs, implementation="pallas"),
+            donate_argnums=0,
+        )
+        got = write(
+            jnp.asarray(pool),
+            jnp.asarray(page_table),
+            k16,
+            v16,
+            jnp.asarray(q_starts),
+            jnp.asarray(kv_lens),
+        )
+    want = expected_pool(
+        pool,
+        page_table,
+        q_starts,
+        kv_lens,
+        np.asarray(k16, np.float32),
+        np.asarray(v16, np.float32),
+        ks or 1.0,
+        vs or 1.0,
+    )
+    _same(got, want)
+
+
+def test_kv_write_kernel_block_tokens_from_smem_budget():
+    from pallas_kernels import _kv_write_kernel as kw
+
+    # Gemma 4 31B sliding: 16 KV heads x 256 (8 KB a row in bf16): 4 tokens in 96 KB.
+    assert kw.block_tokens(16, 256, jnp.bfloat16, jnp.bfloat16, False) == 4
+    assert kw.block_tokens(16, 256, jnp.bfloat16, jnp.float8_e4m3fn, True) == 4
+    assert kw.block_tokens(1, 512, jnp.bfloat16, jnp.bfloat16, False) == 8
+    with pytest.raises(ValueError, match="shared memory"):
+        kw.block_tokens(64, 512, jnp.float32, jnp.float32, True)
+    assert not kw.supports(jnp.zeros((1, 16, 64, 512), jnp.float32))

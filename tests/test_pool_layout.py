@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,7 +189,7 @@ def test_shared_page_table_mode_matches_per_layer():
             np.asarray(swajax.layer_page_table(layout, t, layer)) for layer in range(len(specs))
         ]
     for a, b in zip(tables["per_layer"], tables["shared"], strict=True):
-        np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(a, b)
 
 
 def test_state_is_a_pytree():

@@ -14,6 +14,7 @@ after every transform, and every slot must be free once all rows are freed.
 import collections
 import dataclasses
 
+import chex
 import hypothesis.strategies as st
 import jax
 import numpy as np
@@ -144,8 +145,8 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
         content[b, h[b] : cap[b]] = next(ids) + np.arange(cap[b] - h[b])
     tables = step_page_tables(layout, state)
     meta = swajax.step_metadata(layout, state)
-    np.testing.assert_array_equal(np.asarray(meta.kv_lens), cap)
-    np.testing.assert_array_equal(np.asarray(meta.q_lens), cap - h)
+    chex.assert_trees_all_equal(np.asarray(meta.kv_lens), cap)
+    chex.assert_trees_all_equal(np.asarray(meta.q_lens), cap - h)
     scale_l = 2 * layout.num_layers
     for layer, spec in enumerate(layout.layer_specs):
         table = np.asarray(swajax.layer_page_table(layout, tables, layer))  # [B, 2, NB]
@@ -156,7 +157,7 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
         # BAD beyond each row's valid extent (bounded gather)
         for b in range(layout.max_batch):
             assert np.all(table[b, :, ceil_div(int(cap[b]), tpb) :] == BAD)
-        np.testing.assert_array_equal(
+        chex.assert_trees_all_equal(
             table[:, 1][table[:, 0] != BAD], table[:, 0][table[:, 0] != BAD] + 1
         )
         stats["scratch_pages"] += check_pages(layout, state, layer, table)
@@ -176,7 +177,7 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
                 pages = table[b, role, keys // tpb]
                 assert np.all(pages != BAD), (layer, b, keys[pages == BAD])
                 got = mem[pool][pages, keys % tpb]
-                np.testing.assert_array_equal(got, content[b, keys] * scale_l + 2 * writer + role)
+                chex.assert_trees_all_equal(got, content[b, keys] * scale_l + 2 * writer + role)
     # speculative rollback of up to max_rewind tokens of this step
     accept = cap.copy()
     if layout.max_rewind:
@@ -228,8 +229,8 @@ def test_pool_matches_memory_oracle(layout, seed, num_steps):
         event("scratch pages in use")
     state = swajax.free_rows(layout, state, np.ones(layout.max_batch, bool))
     check_accounting(layout, state)
-    np.testing.assert_array_equal(
-        np.asarray(state.free_count), [g.num_slots for g in layout.groups]
+    chex.assert_trees_all_equal(
+        np.asarray(state.free_count), np.asarray([g.num_slots for g in layout.groups])
     )
 
 
@@ -283,7 +284,7 @@ def test_gemma4_like_chunked_prefill_then_decode_with_scratch():
     assert np.asarray(new.scratch_range[sliding])[0].tolist() == [0, 5]
     state = _run(layout, steps)
     state = swajax.free_rows(layout, state, np.ones(3, bool))
-    np.testing.assert_array_equal(np.asarray(state.free_count), [60, 60])
+    chex.assert_trees_all_equal(np.asarray(state.free_count), np.asarray([60, 60]))
 
 
 def test_shared_kv_writer_check_is_needed(monkeypatch):

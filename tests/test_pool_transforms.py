@@ -1,6 +1,7 @@
 """Transforms on hand-computed cases: reserve/advance/free, exhaustion, prefix sharing,
 queries, jit without retracing, and pool roots donated without a copy."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +55,7 @@ def test_prefill_step_by_hand():
     assert np.asarray(meta.kv_lens).tolist() == [128, 20]
     assert np.asarray(meta.q_starts).tolist() == [0, 128, 148]
     tables = swajax.step_page_tables(layout, state)
-    assert tables[0].shape == (3, 2, 2, layout.max_blocks)
+    chex.assert_shape(tables[0], (3, 2, 2, layout.max_blocks))
     # layer 1 (j = 1) of the sliding pool, row 0, K: rotation over slots 5, 6 (scale 6)
     k = np.asarray(tables[0])[1, 0, 0]
     assert k[:5].tolist() == [32, 34, 30, 38, 40]  # 5*6 + (0,2,4)+2 mod 6, then slot 6

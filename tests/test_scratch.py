@@ -5,6 +5,7 @@ layers share a page at one block position, pages inside the row's scratch slots,
 transformed, too few slots -> ValueError) are checked over many ranges and pool sizes.
 """
 
+import chex
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -73,7 +74,7 @@ def test_rotation_invariants(num_layers, size, begin, first_slot):
     for j in range(num_layers):
         k = swajax.rotation_pages(begin, begin + size, slots, scale=scale, layer_offset=2 * j)
         v = swajax.rotation_pages(begin, begin + size, slots, scale=scale, layer_offset=2 * j + 1)
-        np.testing.assert_array_equal(v, k + 1)
+        chex.assert_trees_all_equal(v, k + 1)
         assert set(k.tolist()) | set(v.tolist()) <= own
         # one layer's blocks never collide (the whole chunk is written before attention)
         assert len(set(k.tolist()) | set(v.tolist())) == 2 * size

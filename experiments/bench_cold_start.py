@@ -1,0 +1,187 @@
+"""Cold start and the decode step as `Engine.run` drives it, on the H200.
+
+    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --out $OUT/c.json
+    PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --out /tmp/c.json
+
+Cold start (per preset, full size, random bf16 weights, Pallas kernels): a fresh process with
+an empty persistent compilation cache times `swajax.Engine(...)` construction to the first
+generated token of one 512-token prompt (`cold_s`; model initialisation is `init_s`, not
+counted), then a second fresh process with the cache the first one filled (`warm_cache_s`).
+`precompile` records the same with `Engine(precompile=True)` (every step shape compiled at
+construction, in threads) where asked.
+
+Decode (`--decode`): Gemma 3 4B, 64 prompts of 8192 tokens, 33 new tokens each, greedy; the
+inter-token latency of the run (p50, host loop included) against the step's bytes floor: the
+weights and the KV the step reads, at the copy bandwidth measured in the run.
+"""
+
+# %%
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+PRESETS = ("gemma3_4b", "gemma4_e2b")
+
+
+def child(preset: str, quick: bool, precompile: bool) -> dict:
+    """One fresh process: build the model, then time engine construction -> first token."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import gemma
+    import swajax
+
+    config = gemma.configs.small_preset(preset) if quick else gemma.configs.preset(preset)
+    t0 = time.perf_counter()
+    model = gemma.Transformer(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
+    jax.block_until_ready(nnx.state(model))
+    init_s = time.perf_counter() - t0
+    prompt = [1 + i % (config.vocab_size - 1) for i in range(512)]
+    t0 = time.perf_counter()
+    engine = swajax.Engine(
+        model,
+        swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16),
+        max_context=4096,
+        max_batch=16,
+        max_num_tokens=512 if quick else 8192,
+        implementation="reference" if quick else "pallas",
+        precompile=precompile,
+    )
+    built_s = time.perf_counter() - t0
+    first = []
+    engine.run([prompt], 2, callback=lambda i, o: first.append(time.perf_counter()))
+    return dict(
+        preset=preset,
+        init_s=init_s,
+        construct_s=built_s,
+        first_token_s=first[0] - t0,
+        traces=engine.trace_count,
+        cache_dir=jax.config.jax_compilation_cache_dir,
+        cache_files=len(os.listdir(jax.config.jax_compilation_cache_dir)),
+    )
+
+
+def cold_start(preset: str, quick: bool, precompile: bool) -> dict:
+    rec = dict(kind="cold_start", preset=preset, precompile=precompile)
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, SWAJAX_COMPILATION_CACHE_DIR=cache, SWAJAX_COMPILATION_CACHE="1")
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        cmd = [sys.executable, __file__, "--child", preset]
+        cmd += ["--quick"] if quick else []
+        cmd += ["--precompile"] if precompile else []
+        for label in ("cold", "warm_cache"):
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if out.returncode:
+                rec[f"{label}_error"] = out.stderr[-1500:]
+                break
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rec[f"{label}_s"] = r["first_token_s"]
+            rec[f"{label}_process_s"] = wall
+            rec[f"{label}_detail"] = r
+    return rec
+
+
+def decode_record(quick: bool, copy_tbs: float | None) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import gemma
+    import swajax
+
+    batch, context, new = (4, 256, 9) if quick else (64, 8192, 33)
+    config = gemma.configs.small_preset("gemma3_4b") if quick else gemma.configs.gemma3_4b()
+    rec = dict(kind="decode_step", preset="gemma3_4b", batch=batch, context=context, new=new)
+    try:
+        model = gemma.Transformer(
+            config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+        )
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, config.vocab_size, context).tolist() for _ in range(batch)]
+        engine = swajax.Engine(
+            model,
+            swajax.KVCacheConfig(page_size=32 if not quick else 16, dtype=jnp.bfloat16),
+            max_context=context + new + 32,
+            max_batch=batch,
+            implementation="reference" if quick else "pallas",
+        )
+        engine.run(prompts[:1], 2)  # compile outside the run
+        _, stats = engine.run(prompts, new)
+        kv = 0
+        for i, s in enumerate(config.layer_specs):
+            keys = context + new // 2 if s.window is None else min(context, s.window)
+            kv += 2 * keys * s.num_kv_heads * s.head_dim * 2 if s.kv_source == i else 0
+        floor_ms = (weight_bytes + batch * kv) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
+        rec.update(
+            itl_ms={k: v * 1e3 for k, v in stats.itl.items()},
+            ttft_s=stats.ttft,
+            steps=stats.steps,
+            weight_bytes=weight_bytes,
+            kv_bytes_per_step=batch * kv,
+            floor_ms=floor_ms,
+            x_floor=stats.itl["p50"] * 1e3 / floor_ms if floor_ms else None,
+        )
+    except Exception:  # noqa: BLE001
+        rec["error"] = traceback.format_exc()[-1500:]
+    return rec
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="experiments/results/cold_start_h200.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--child", default=None)
+    p.add_argument("--precompile", action="store_true")
+    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--decode", action="store_true", help="also the Gemma 3 4B decode step")
+    p.add_argument("--both", action="store_true", help="cold start with and without precompile")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.quick, args.precompile)))
+        return
+    copy = None
+    if not args.quick:
+        from experiments.bench_generate import torch_ceilings
+
+        _, copy = torch_ceilings()
+    from experiments._meta import run_metadata
+
+    res = run_metadata(quick=args.quick, presets=args.presets, copy_tbs=copy)
+    res["records"] = []
+    for preset in args.presets.split(","):
+        for pre in (False, True) if args.both else (args.precompile,):
+            res["records"].append(cold_start(preset, args.quick, pre))
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    if args.decode:
+        res["records"].append(decode_record(args.quick, copy))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    for r in res["records"]:
+        if r["kind"] == "cold_start":
+            print(
+                f"{r['preset']:<12} precompile={r['precompile']!s:<5} cold "
+                f"{r.get('cold_s', float('nan')):6.1f} s  warm cache "
+                f"{r.get('warm_cache_s', float('nan')):6.1f} s "
+                f"{(r.get('cold_error') or r.get('warm_cache_error') or '')[-200:]}"
+            )
+        else:
+            print(f"decode {r.get('itl_ms')} floor {r.get('floor_ms')} {r.get('error', '')[-200:]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""End-to-end batch generation on the H200: swajax's engine, Hugging Face's continuous
+batching, and each workload's floor.
+
+    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_generate.py --out $OUT/g.json
+    PYTHONPATH=. .venv/bin/python experiments/bench_generate.py --quick --out /tmp/g.json  # CPU
+
+Workloads (random bf16 weights, random prompt tokens, greedy, every request generates exactly
+`output` tokens, Pallas kernels, page 32, bf16 KV, the scheduler's default budget of 8192
+tokens per step):
+  - gemma3_1b_2k: Gemma 3 1B, 64 x (2048 + 128), prefill chunk 2048, KV from free memory;
+  - gemma4_e2b_2k: the same on Gemma 4 E2B;
+  - gemma3_1b_8k_cap: Gemma 3 1B, 32 x (8192 + 64), chunk 8192, KV capped at 1 GiB with the
+    pool ratio derived for an expected input length of 8K, scratch reuse ON and OFF.
+Each swajax record: `cold_s` (engine construction to the end of the first run, compiles
+included; `cold_first_token_s` to its first token), then the same prompts again on the same
+engine, warm: `seconds`, tokens/s, steps, TTFT and inter-token latency, slots, concurrency,
+preemptions, and whether the warm tokens equal the cold ones.
+
+Peer (`--only hf`, run in its own process before JAX takes the GPU): Hugging Face transformers
+`generate_batch` (continuous batching, paged attention) on gemma3_1b_2k, configured as its
+documentation recommends (bf16, `attn_implementation` "sdpa_paged", CUDA graphs warmed up, a
+warm-up batch first); every configuration tried is recorded.
+
+Floor: prefill FLOPs (matmuls + causal/windowed attention) at the bf16 matmul rate plus, per
+decode step, the weights and the KV read at the copy bandwidth, both measured in the run
+(torch). A swajax record's `x_floor` is its warm time over that floor.
+"""
+
+# %%
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+WORKLOADS = {
+    "gemma3_1b_2k": dict(preset="gemma3_1b", prompts=64, input=2048, output=128, chunk=2048),
+    "gemma4_e2b_2k": dict(preset="gemma4_e2b", prompts=64, input=2048, output=128, chunk=2048),
+    "gemma3_1b_8k_cap": dict(
+        preset="gemma3_1b",
+        prompts=32,
+        input=8192,
+        output=64,
+        chunk=8192,
+        kv_cap=1 << 30,
+        expected_input_length=8192,
+        scratch=(True, False),
+    ),
+}
+QUICK = {
+    "tiny_gemma3": dict(preset="gemma3_1b", prompts=6, input=40, output=6, chunk=32, small=True),
+    "tiny_gemma4_cap": dict(
+        preset="gemma4_e2b",
+        prompts=6,
+        input=48,
+        output=4,
+        chunk=48,
+        small=True,
+        kv_cap=3 << 20,
+        expected_input_length=48,
+        scratch=(True, False),
+    ),
+}
+
+
+def torch_ceilings():
+    """(bf16 matmul TFLOP/s, copy TB/s) from torch on random data, or (None, None)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, None
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        x = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+
+        def timed(fn, reps=10):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(reps):
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e-3)
+            return float(np.median(times))
+
+        mm = 2 * 8192**3 / timed(lambda: a @ b) / 1e12
+        copy = 2 * 2**31 / timed(lambda: y.copy_(x)) / 1e12
+        torch.cuda.empty_cache()
+        return mm, copy
+    except Exception:  # noqa: BLE001
+        return None, None
+
+
+# %% floor
+def workload_floor(config, w, weight_bytes, kv_itemsize, matmul_tflops, copy_tbs) -> dict:
+    """Seconds no implementation beats: prefill FLOPs / matmul rate + decode bytes / copy."""
+    specs = config.layer_specs
+    n_in, n_out, num = w["input"], w["output"], w["prompts"]
+    d, layers = config.hidden_size, config.num_layers
+    # matmul FLOPs per token: 2 x the parameters a token multiplies (no embedding lookup)
+    per_token = 0
+    for i, s in enumerate(specs):
+        q = config.num_heads * s.head_dim
+        kv = 2 * s.num_kv_heads * s.head_dim if s.kv_source == i else 0
+        mlp = 3 * config.mlp_width(i)
+        if config.num_experts:
+            mlp += 3 * config.num_experts_per_token * config.moe_intermediate_size
+        per_token += 2 * d * (2 * q + kv + mlp)
+    if config.per_layer_input_dim:
+        per_token += 2 * d * layers * config.per_layer_input_dim * 2
+    lm_head = 2 * d * config.vocab_size
+
+    def attention_flops(positions):
+        total = 0
+        for s in specs:
+            keys = positions + 1 if s.window is None else np.minimum(positions + 1, s.window)
+            total += 4 * config.num_heads * s.head_dim * int(keys.sum())
+        return total
+
+    pos = np.arange(n_in)
+    prefill = num * (n_in * per_token + attention_flops(pos) + lm_head)
+    decode_steps = n_out - 1
+    kv_read = 0
+    for t in range(n_in, n_in + decode_steps):
+        for s in specs:
+            if s.kv_source != specs.index(s):
+                continue
+            keys = t + 1 if s.window is None else min(t + 1, s.window)
+            kv_read += 2 * keys * s.num_kv_heads * s.head_dim * kv_itemsize
+    kv_read *= num
+    batch_steps = decode_steps * -(-num // w.get("batch", num))
+    prefill_s = prefill / (matmul_tflops * 1e12)
+    decode_s = (batch_steps * weight_bytes + kv_read) / (copy_tbs * 1e12)
+    return dict(
+        floor_s=prefill_s + decode_s,
+        prefill_flops=prefill,
+        prefill_floor_s=prefill_s,
+        decode_weight_bytes=batch_steps * weight_bytes,
+        decode_kv_bytes=kv_read,
+        decode_floor_s=decode_s,
+        matmul_tflops=matmul_tflops,
+        copy_tbs=copy_tbs,
+    )
+
+
+# %% swajax
+def make_prompts(vocab, w, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=w["input"]).tolist() for _ in range(w["prompts"])]
+
+
+def run_swajax(name, w, quick, records):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import gemma
+    import swajax
+
+    preset = w["preset"]
+    config = gemma.configs.small_preset(preset) if w.get("small") else gemma.configs.preset(preset)
+    t0 = time.perf_counter()
+    model = gemma.Transformer(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
+    jax.block_until_ready(nnx.state(model))
+    init_s = time.perf_counter() - t0
+    weight_bytes = sum(
+        x.nbytes
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        if "per_layer_embedding" not in jax.tree_util.keystr(path)
+    )
+    prompts = make_prompts(config.vocab_size, w)
+    impl = "reference" if quick else "pallas"
+    for scratch in w.get("scratch", (None,)):
+        rec = dict(
+            system="swajax",
+            workload=name,
+            scratch=scratch,
+            implementation=impl,
+            **{k: v for k, v in w.items() if k not in ("scratch", "small")},
+            init_s=init_s,
+        )
+        try:
+            kv = swajax.KVCacheConfig(
+                page_size=16 if quick else 32,
+                dtype=jnp.bfloat16,
+                enable_swa_scratch_reuse=scratch,
+                max_gpu_total_bytes=w.get("kv_cap"),
+                expected_input_length=w.get("expected_input_length"),
+                chunk_size=w["chunk"],
+            )
+            t0 = time.perf_counter()
+            engine = swajax.Engine(
+                model,
+                kv,
+                max_context=w["input"] + w["output"],
+                max_batch=w["prompts"],
+                prefill_chunk_size=w["chunk"],
+                max_num_tokens=256 if quick else None,
+                implementation=impl,
+            )
+            first = []
+
+            def on_output(i, out, first=first):
+                if not first:
+                    first.append(time.perf_counter())
+
+            cold, _ = engine.run(prompts, w["output"], callback=on_output)
+            rec["cold_s"] = time.perf_counter() - t0
+            rec["cold_first_token_s"] = first[0] - t0
+            rec["traces"] = engine.trace_count
+            warm, stats = engine.run(prompts, w["output"])
+            total = w["prompts"] * (w["input"] + w["output"])
+            rec.update(
+                seconds=stats.seconds,
+                output_tokens_per_s=w["prompts"] * w["output"] / stats.seconds,
+                total_tokens_per_s=total / stats.seconds,
+                steps=stats.steps,
+                ttft_s=stats.ttft,
+                itl_s=stats.itl,
+                num_slots=stats.num_slots,
+                peak_slots=stats.peak_slots,
+                mean_slots=stats.mean_slots,
+                max_concurrent=stats.max_concurrent,
+                preemptions=stats.preemptions,
+                same_tokens_as_cold=warm == cold,
+                layout_groups=[str(g.life_cycle) for g in engine.layout.groups],
+                kv_pool_bytes=engine.layout.pool_bytes(),
+                outputs_digest=hash(tuple(map(tuple, warm))) & 0xFFFFFFFF,
+            )
+            rec["_tokens"] = warm
+            del engine
+        except Exception:  # noqa: BLE001
+            rec["error"] = traceback.format_exc()[-1500:]
+        records.append(rec)
+        print(
+            f"{name} scratch={scratch}: {rec.get('seconds', float('nan')):.2f} s warm, "
+            f"cold {rec.get('cold_s', float('nan')):.1f} s, steps {rec.get('steps')}, "
+            f"concurrent {rec.get('max_concurrent')}, preemptions {rec.get('preemptions')} "
+            f"{rec.get('error', '')[-300:]}",
+            flush=True,
+        )
+    return config, weight_bytes
+
+
+# %% Hugging Face peer
+def run_hf(w, out_path):
+    """Hugging Face continuous batching on workload w (a separate process)."""
+    import torch
+    import transformers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+
+    import gemma
+
+    config = gemma.configs.preset(w["preset"])
+    hf_config = Gemma3TextConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        sliding_window=config.sliding_window,
+        layer_types=[
+            "sliding_attention" if t == "sliding" else "full_attention" for t in config.layer_types
+        ],
+        max_position_embeddings=config.max_context,
+        query_pre_attn_scalar=config.query_pre_attn_scalar,
+    )
+    prompts = make_prompts(config.vocab_size, w)
+    records = []
+    for attn in ("sdpa_paged", "paged|sdpa", "paged_attention"):
+        rec = dict(
+            system="hf_transformers",
+            workload="gemma3_1b_2k",
+            preset=w["preset"],
+            attn_implementation=attn,
+            transformers=transformers.__version__,
+            torch=torch.__version__,
+        )
+        try:
+            torch.manual_seed(0)
+            model = Gemma3ForCausalLM(hf_config).to(device="cuda", dtype=torch.bfloat16).eval()
+            model.config._attn_implementation = attn
+            gen = GenerationConfig(
+                max_new_tokens=w["output"],
+                min_new_tokens=w["output"],
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            with torch.inference_mode():
+                model.generate_batch(prompts[:2], generation_config=gen, progress_bar=False)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = model.generate_batch(prompts, generation_config=gen, progress_bar=False)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+            lengths = [len(o.generated_tokens) for o in out.values()]
+            rec.update(
+                seconds=seconds,
+                output_tokens=sum(lengths),
+                output_tokens_per_s=sum(lengths) / seconds,
+                total_tokens_per_s=(w["prompts"] * w["input"] + sum(lengths)) / seconds,
+            )
+            records.append(rec)
+            del model
+            torch.cuda.empty_cache()
+            break
+        except Exception:  # noqa: BLE001
+            rec["error"] = traceback.format_exc()[-1500:]
+            records.append(rec)
+    with open(out_path, "w") as f:
+        json.dump(records, f, indent=1, default=str)
+
+
+# %% main
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="experiments/results/generate_h200.json")
+    p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
+    p.add_argument("--only", default="", help="comma-separated workloads, or 'hf'")
+    p.add_argument("--no-hf", action="store_true")
+    args = p.parse_args()
+    workloads = QUICK if args.quick else WORKLOADS
+    if args.only == "hf":
+        run_hf(WORKLOADS["gemma3_1b_2k"], args.out)
+        return
+    matmul, copy = (None, None) if args.quick else torch_ceilings()
+    hf = []
+    if not args.quick and not args.no_hf:
+        hf_path = args.out + ".hf.json"
+        cmd = [sys.executable, __file__, "--only", "hf", "--out", hf_path]
+        subprocess.run(cmd, check=False, env=dict(os.environ))
+        if os.path.exists(hf_path):
+            with open(hf_path) as f:
+                hf = json.load(f)
+
+    from experiments._meta import run_metadata
+
+    res = run_metadata(workloads=workloads, quick=args.quick)
+    res.update(matmul_tflops=matmul, copy_tbs=copy, records=list(hf), floors={})
+    names = [n for n in workloads if not args.only or n in args.only.split(",")]
+    for name in names:
+        w = workloads[name]
+        config, weight_bytes = run_swajax(name, w, args.quick, res["records"])
+        if matmul and copy:
+            res["floors"][name] = workload_floor(config, w, weight_bytes, 2, matmul, copy)
+        ours = [r for r in res["records"] if r.get("workload") == name and r["system"] == "swajax"]
+        tokens = [r.pop("_tokens", None) for r in ours]
+        if len(ours) == 2 and all(t is not None for t in tokens):
+            for r in ours:
+                r["same_tokens_on_off"] = tokens[0] == tokens[1]
+        for r in ours:
+            if name in res["floors"] and "seconds" in r:
+                r["floor_s"] = res["floors"][name]["floor_s"]
+                r["x_floor"] = r["seconds"] / r["floor_s"]
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(f"device {res['device']}  matmul {matmul} TFLOP/s  copy {copy} TB/s")
+    print(
+        f"{'workload':<18} {'system':<16} {'scratch':<7} {'s':>8} {'out tok/s':>10} "
+        f"{'x floor':>8} {'steps':>6} {'conc':>5} {'preempt':>7}"
+    )
+    for r in res["records"]:
+        print(
+            f"{r.get('workload', ''):<18} {r['system']:<16} {str(r.get('scratch', '')):<7} "
+            f"{r.get('seconds', float('nan')):8.2f} "
+            f"{r.get('output_tokens_per_s', float('nan')):10.0f} "
+            f"{r.get('x_floor', float('nan')):8.2f} {str(r.get('steps', '')):>6} "
+            f"{str(r.get('max_concurrent', '')):>5} {str(r.get('preemptions', '')):>7} "
+            f"{str(r.get('error', ''))[-80:]}"
+        )
+
+
+if __name__ == "__main__":
+    main()

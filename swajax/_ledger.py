@@ -1,0 +1,235 @@
+"""`SlotLedger`: the host's exact count of the slots the pool transforms hold, per row.
+
+The scheduler decides every step before the device runs it, so it must know what `reserve`
+will take and what `advance` and `free_rows` will give back without reading the device. The
+ledger replays the transforms' slot arithmetic on Python ints, block by block: the same
+formulas (`stale_range`, `scratch_range`, `scratch_slot_count` of `swajax._scratch`), the same
+truncation of a scratch range at `group.scratch_blocks`, the same refcounted sharing. It holds
+no slot ids, only which blocks each row holds (each held block an opaque id, so a shared prefix
+block counts once) and how many slots each group has free. `tests/test_ledger.py` checks it
+against the transforms' `free_count` on random schedules.
+
+Axis names as in `swajax._transforms`: B rows, G pool groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from swajax._layout import KVLayout
+from swajax._scratch import ceil_div, scratch_range, scratch_slot_count, stale_range
+
+
+class SlotLedger:
+    """Slots held per (group, row) and free per group, mirroring the pool transforms.
+
+    Rows are batch rows of the layout. Every mutating method keeps the transforms' contract:
+    `reserve` is all or nothing and returns False (nothing changed) where the device `reserve`
+    would fail.
+
+    mode: "scratch" / "release" (the transforms with scratch reuse on / off; default: as the
+    layout) or "full" (nothing is ever released out of window: what a cache without release
+    would hold, for reports).
+    """
+
+    MODES = ("scratch", "release", "full")
+
+    def __init__(self, layout: KVLayout, mode: str | None = None):
+        mode = mode or ("scratch" if layout.scratch else "release")
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        if mode == "scratch" and not layout.scratch:
+            raise ValueError("mode='scratch' needs a layout built with scratch reuse on")
+        self.layout = layout
+        self.mode = mode
+        self.free = [g.num_slots for g in layout.groups]
+        self.history = [0] * layout.max_batch
+        self.cap = [0] * layout.max_batch
+        # blocks[g][b]: block index -> block id; refs[g]: block id -> references
+        self.blocks: list[list[dict[int, int]]] = [
+            [{} for _ in range(layout.max_batch)] for _ in layout.groups
+        ]
+        self.refs: list[dict[int, int]] = [{} for _ in layout.groups]
+        self.scratch = [[0] * layout.max_batch for _ in layout.groups]
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_slots(self) -> tuple[int, ...]:
+        return tuple(g.num_slots for g in self.layout.groups)
+
+    def used(self) -> tuple[int, ...]:
+        """Slots held per group."""
+        return tuple(n - f for n, f in zip(self.num_slots, self.free, strict=True))
+
+    def row_slots(self, row: int) -> tuple[int, ...]:
+        """Slots row `row` references per group (shared blocks count in every owner)."""
+        return tuple(len(self.blocks[g][row]) + self.scratch[g][row] for g in range(len(self.free)))
+
+    def exclusive_slots(self, rows: Sequence[int]) -> tuple[int, ...]:
+        """Slots per group that freeing `rows` would return (blocks no other row holds)."""
+        rows = set(rows)
+        out = []
+        for g in range(len(self.free)):
+            dropped: dict[int, int] = {}
+            for b in rows:
+                for block_id in self.blocks[g][b].values():
+                    dropped[block_id] = dropped.get(block_id, 0) + 1
+            freed = sum(1 for i, n in dropped.items() if self.refs[g][i] == n)
+            out.append(freed + sum(self.scratch[g][b] for b in rows))
+        return tuple(out)
+
+    def is_empty(self, row: int) -> bool:
+        return self.history[row] == 0 and self.cap[row] == 0 and not any(self.row_slots(row))
+
+    # ------------------------------------------------------------------ reserve / advance
+
+    def _plan(self, new_tokens: Mapping[int, int]):
+        """(ok, per group: (row -> blocks needing a slot, row -> scratch slots), totals)."""
+        lay, tpb = self.layout, self.layout.page_size
+        ok = True
+        plans, totals = [], []
+        for g, group in enumerate(lay.groups):
+            need, scratch, total = {}, {}, 0
+            for b, n in new_tokens.items():
+                h, c = self.history[b], self.cap[b]
+                if n < 0 or (n > 0 and c != h) or h + n > lay.max_context:
+                    ok = False
+                if n <= 0:
+                    continue
+                cap = h + n
+                begin = end = n_scratch = 0
+                if self.mode == "scratch" and group.is_sliding and group.scratch_slots > 0:
+                    begin, end = scratch_range(
+                        h, cap, group.window, group.sink_blocks, tpb, lay.max_rewind
+                    )
+                    held = self.blocks[g][b]
+                    held_end = max(held) + 1 if held else 0
+                    begin = max(int(begin), held_end)
+                    end = max(begin, min(int(end), begin + group.scratch_blocks))
+                    n_scratch = int(scratch_slot_count(end - begin, lay.min_scale(g)))
+                blocks = [
+                    o
+                    for o in range(h // tpb, ceil_div(cap, tpb))
+                    if not begin <= o < end and o not in self.blocks[g][b]
+                ]
+                need[b], scratch[b] = blocks, n_scratch
+                total += len(blocks) + n_scratch
+            plans.append((need, scratch))
+            totals.append(total)
+        return ok, plans, totals
+
+    def slots_needed(self, new_tokens: Mapping[int, int]) -> tuple[int, ...] | None:
+        """Slots per group `reserve(new_tokens)` would take, or None if a row cannot grow."""
+        ok, _, totals = self._plan(new_tokens)
+        return tuple(totals) if ok else None
+
+    def fits(self, new_tokens: Mapping[int, int], headroom: Sequence[int] = ()) -> bool:
+        """Whether `reserve(new_tokens)` succeeds leaving at least `headroom[g]` slots free."""
+        need = self.slots_needed(new_tokens)
+        if need is None:
+            return False
+        room = tuple(headroom) or (0,) * len(need)
+        return all(n + r <= f for n, r, f in zip(need, room, self.free, strict=True))
+
+    def reserve(self, new_tokens: Mapping[int, int]) -> bool:
+        """Grows row b by new_tokens[b] tokens (rows not named do not grow); all or nothing."""
+        ok, plans, totals = self._plan(new_tokens)
+        if not ok or any(t > f for t, f in zip(totals, self.free, strict=True)):
+            return False
+        for g, (need, scratch) in enumerate(plans):
+            for b, blocks in need.items():
+                for o in blocks:
+                    block_id = next(self._ids)
+                    self.blocks[g][b][o] = block_id
+                    self.refs[g][block_id] = 1
+                self.scratch[g][b] = scratch[b]
+            self.free[g] -= totals[g]
+        for b, n in new_tokens.items():
+            if n > 0:
+                self.cap[b] = self.history[b] + n
+        return True
+
+    def _drop(self, g: int, row: int, blocks: Sequence[int]) -> None:
+        for o in blocks:
+            block_id = self.blocks[g][row].pop(o)
+            self.refs[g][block_id] -= 1
+            if self.refs[g][block_id] == 0:
+                del self.refs[g][block_id]
+                self.free[g] += 1
+
+    def advance(self) -> None:
+        """history := cap; out-of-window release of stale blocks; scratch slots back."""
+        lay = self.layout
+        for b in range(lay.max_batch):
+            self.history[b] = self.cap[b]
+        for g, group in enumerate(lay.groups):
+            for b in range(lay.max_batch):
+                self.free[g] += self.scratch[g][b]
+                self.scratch[g][b] = 0
+                if not group.is_sliding or self.mode == "full":
+                    continue
+                start, end = stale_range(
+                    self.history[b] - lay.max_rewind,
+                    group.window,
+                    group.sink_blocks,
+                    lay.page_size,
+                )
+                stale = [o for o in self.blocks[g][b] if int(start) <= o < int(end)]
+                self._drop(g, b, stale)
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        """Frees every block and scratch slot of `rows`; the rows become empty."""
+        for b in rows:
+            for g in range(len(self.free)):
+                self._drop(g, b, list(self.blocks[g][b]))
+                self.free[g] += self.scratch[g][b]
+                self.scratch[g][b] = 0
+            self.history[b] = self.cap[b] = 0
+
+    def share(self, src: int, dst: int, num_tokens: int) -> bool:
+        """Mirrors `share_prefix`: dst gets src's readable blocks of the first k tokens."""
+        lay, tpb = self.layout, self.layout.page_size
+        if src == dst or num_tokens < 0 or not self.is_empty(dst):
+            return False
+        k = min(num_tokens, self.history[src]) // tpb * tpb
+        wanted = []
+        for g, group in enumerate(lay.groups):
+            needed = set(range(k // tpb))
+            if group.is_sliding:
+                start, end = stale_range(k - lay.max_rewind, group.window, group.sink_blocks, tpb)
+                needed -= set(range(int(start), int(end)))
+            if not needed <= set(self.blocks[g][src]):
+                return False
+            wanted.append(needed)
+        for g, needed in enumerate(wanted):
+            for o in needed:
+                block_id = self.blocks[g][src][o]
+                self.blocks[g][dst][o] = block_id
+                self.refs[g][block_id] += 1
+        self.history[dst] = self.cap[dst] = k
+        return True
+
+
+def row_peak_slots(
+    layout: KVLayout, steps: Sequence[int], mode: str | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(steady, peak) slots per group of one row growing by steps[i] tokens at step i.
+
+    steady: held after the last step's advance; peak: the most held at any step (after a
+    reserve, scratch included). Row 0 of a fresh ledger, so the pool is never the limit.
+    """
+    ledger = SlotLedger(layout, mode)
+    ledger.free = [10**12] * len(ledger.free)  # unbounded: this measures one row alone
+    peak = [0] * len(ledger.free)
+    for n in steps:
+        if not ledger.reserve({0: n}):
+            raise ValueError(
+                f"a row cannot grow by {n} tokens from {ledger.history[0]} "
+                f"(max_context={layout.max_context})"
+            )
+        peak = [max(p, s) for p, s in zip(peak, ledger.row_slots(0), strict=True)]
+        ledger.advance()
+    return ledger.row_slots(0), tuple(peak)

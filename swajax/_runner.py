@@ -1,0 +1,262 @@
+"""The step runner: one compiled function per step shape that runs a `StepPlan` on the device.
+
+A step, with the pool state and the previous page tables donated (updated in place):
+
+    free_a -> shares_a -> free_b -> reserve -> page-table gather -> paged forward -> sample
+    -> advance -> shares_b
+
+(see `swajax._scheduler` for what each does). Its inputs are arrays of static shapes: the
+packed tokens of the step (T = the step's token bucket), per-row token counts, masks and share
+lists, per-row sampling parameters and PRNG key data. A decode row's input token may be the
+token its row drew in the previous step (`prev_rows`), read on the device from that step's
+output, so the host can plan and dispatch a step before reading the previous one.
+
+The compiled steps are cached per (model structure, layout, decode, sampling mode, logits) and
+shared by every engine of the same model and layout; a new token bucket is a new shape of the
+same function. `trace_count(layout)` counts traces (the no-recompile tests).
+
+Axis names: T packed tokens, B batch rows (serving + cache rows), S shares per list, G groups,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from swajax._layout import KVLayout
+from swajax._paged import make_attention_fn, token_positions
+from swajax._sampling import sample, token_keys
+from swajax._scheduler import StepPlan
+from swajax._scratch import BAD
+from swajax._state import KVPoolState
+from swajax._transforms import (
+    advance,
+    free_rows,
+    reserve,
+    share_prefix,
+    step_metadata,
+    step_page_tables,
+)
+
+
+class StepInputs(NamedTuple):
+    """The arrays of one step (built from a `StepPlan` by `step_inputs`)."""
+
+    tokens: jax.Array  # i32[T] packed new tokens (rows in batch order)
+    prev_rows: jax.Array  # i32[T] row whose previous sample is this token, or -1 (literal)
+    new_tokens: jax.Array  # i32[B] new tokens per row
+    free_a: jax.Array  # bool[B]
+    shares_a: jax.Array  # i32[S, 3] (src, dst, num_tokens); src -1 = none
+    free_b: jax.Array  # bool[B]
+    shares_b: jax.Array  # i32[S, 3]
+    key_data: jax.Array  # u32[B, 2] each row's request key data
+    token_index: jax.Array  # i32[B] index of the token each row draws
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+
+
+class StepOutput(NamedTuple):
+    """What a step returns (the state and tables are the donated inputs, updated)."""
+
+    state: KVPoolState
+    tables: tuple[jax.Array, ...] | None
+    next_tokens: jax.Array  # i32[B] token drawn for each row (meaningful for sampling rows)
+    ok: jax.Array  # bool[]: reserve and every real share succeeded
+    used: jax.Array  # i32[G] slots held after the reserve (the step's peak)
+    logits: jax.Array | None  # f32[B, V] of each row's last new token, if asked for
+
+
+def _shares(layout, state, shares):
+    if shares.shape[0] == 0:
+        return jnp.bool_(True), state
+
+    def body(i, carry):
+        ok, state = carry
+        src, dst, k = shares[i, 0], shares[i, 1], shares[i, 2]
+        done, state = share_prefix(layout, state, src, dst, k)
+        return ok & (done | (src < 0)), state
+
+    return jax.lax.fori_loop(0, shares.shape[0], body, (jnp.bool_(True), state))
+
+
+def bookkeeping_before(layout, state, free_a, shares_a, free_b):
+    """free_a -> shares_a -> free_b; returns (ok, state)."""
+    state = free_rows(layout, state, free_a)
+    ok, state = _shares(layout, state, shares_a)
+    return ok, free_rows(layout, state, free_b)
+
+
+def _step(
+    params,
+    state: KVPoolState,
+    tables,
+    prev_tokens,
+    inputs: StepInputs,
+    *,
+    graphdef,
+    layout: KVLayout,
+    decode: bool,
+    implementation: str,
+    sampling_mode: str,
+    return_logits: bool,
+) -> StepOutput:
+    ok, state = bookkeeping_before(layout, state, inputs.free_a, inputs.shares_a, inputs.free_b)
+    reserved, state = reserve(layout, state, inputs.new_tokens)
+    ok &= reserved
+    used = jnp.asarray([g.num_slots for g in layout.groups], jnp.int32) - state.free_count
+    meta = step_metadata(layout, state)
+    tables = step_page_tables(layout, state, implementation=implementation, out=tables)
+    prev = prev_tokens[jnp.clip(inputs.prev_rows, 0, prev_tokens.shape[0] - 1)]
+    tokens = jnp.where(inputs.prev_rows >= 0, prev, inputs.tokens)  # [T]
+    num_tokens = tokens.shape[0]
+    positions = token_positions(meta, num_tokens)
+    attention_fn = make_attention_fn(
+        layout,
+        tables,
+        meta,
+        state.k_scales,
+        state.v_scales,
+        decode=decode,
+        implementation=implementation,
+    )
+    model = nnx.merge(graphdef, params)
+    last = jnp.clip(meta.q_starts[1:] - 1, 0, num_tokens - 1)  # [B]
+    logits, pools = model.forward(
+        tokens,
+        positions,
+        attention_fn=attention_fn,
+        attention_state=state.pools,
+        logits_indices=last,
+    )  # [B, V]: only each row's last new token is unembedded
+    keys = token_keys(inputs.key_data, inputs.token_index)
+    next_tokens = sample(
+        logits,
+        keys,
+        temperature=inputs.temperature,
+        top_k=inputs.top_k,
+        top_p=inputs.top_p,
+        mode=sampling_mode,
+    )
+    state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
+    shared, state = _shares(layout, state, inputs.shares_b)
+    return StepOutput(
+        state, tables, next_tokens, ok & shared, used, logits if return_logits else None
+    )
+
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_count(layout: KVLayout) -> int:
+    """Traces of the step (any variant) for `layout` in this process."""
+    return _TRACES[layout]
+
+
+def _traced_step(*args, **kwargs):
+    _TRACES[kwargs["layout"]] += 1
+    return _step(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def step_function(
+    graphdef,
+    layout: KVLayout,
+    *,
+    decode: bool,
+    implementation: str,
+    sampling_mode: str,
+    logits: bool,
+):
+    """The jitted step with its static arguments bound (state and tables donated).
+
+    Bound once per (model structure, layout, mode): hashing a model's GraphDef costs about
+    1.6 ms (Gemma 3 4B), which a jit call with static arguments would pay at every step. Up to
+    64 steps and their executables stay alive.
+    """
+    bound = functools.partial(
+        _traced_step,
+        graphdef=graphdef,
+        layout=layout,
+        decode=decode,
+        implementation=implementation,
+        sampling_mode=sampling_mode,
+        return_logits=logits,
+    )
+    return jax.jit(bound, donate_argnums=(1, 2))  # state, tables (called positionally)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def bookkeeping_step(layout, state, free_a, shares_a, free_b):
+    """A step without a forward: only free_a -> shares_a -> free_b (aborts, cache clears)."""
+    return bookkeeping_before(layout, state, free_a, shares_a, free_b)
+
+
+def initial_tables(layout: KVLayout):
+    """All-BAD per-pool page tables, the `tables` of a first step (None in shared mode)."""
+    if layout.page_table_mode != "per_layer":
+        return None
+    shape = (layout.max_batch, 2, layout.max_blocks)
+    return tuple(jnp.full((p.num_layers, *shape), BAD, jnp.int32) for p in layout.pools)
+
+
+def _share_array(shares, size: int) -> np.ndarray:
+    out = np.full((size, 3), -1, np.int32)
+    out[:, 2] = 0
+    for i, share in enumerate(shares):
+        out[i] = share
+    return out
+
+
+def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: int, sampling):
+    """The `StepInputs` (numpy) of a plan, packed into `num_tokens` token rows.
+
+    sampling(request) -> (temperature, top_k, top_p) of a request's rows.
+    """
+    tokens = np.zeros(num_tokens, np.int32)
+    prev_rows = np.full(num_tokens, -1, np.int32)
+    new_tokens = np.zeros(max_batch, np.int32)
+    t = 0
+    for row in sorted(plan.new_tokens):  # packed in batch-row order (q_starts)
+        new_tokens[row] = plan.new_tokens[row]
+        for token in plan.tokens[row]:
+            if token is None:
+                prev_rows[t] = row
+            else:
+                tokens[t] = token
+            t += 1
+    assert t <= num_tokens, (t, num_tokens)
+    free_a, free_b = np.zeros(max_batch, bool), np.zeros(max_batch, bool)
+    free_a[plan.free_a] = True
+    free_b[plan.free_b] = True
+    key_data = np.zeros((max_batch, 2), np.uint32)
+    token_index = np.zeros(max_batch, np.int32)
+    temperature = np.zeros(max_batch, np.float32)
+    top_k = np.zeros(max_batch, np.int32)
+    top_p = np.ones(max_batch, np.float32)
+    for row, (request, index) in plan.samples.items():
+        key_data[row] = request.key_data
+        token_index[row] = index
+        temperature[row], top_k[row], top_p[row] = sampling(request)
+    return StepInputs(
+        tokens,
+        prev_rows,
+        new_tokens,
+        free_a,
+        _share_array(plan.shares_a, max_shares),
+        free_b,
+        _share_array(plan.shares_b, max_shares),
+        key_data,
+        token_index,
+        temperature,
+        top_k,
+        top_p,
+    )

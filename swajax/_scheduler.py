@@ -1,0 +1,513 @@
+"""The scheduler: which requests run in the next step, with how many tokens, in which rows.
+
+Pure Python (no JAX): it decides each step from the host's `SlotLedger`, which counts exactly
+what the pool transforms will hold, and emits a `StepPlan` that the step runner turns into
+arrays. The plan also says which slot bookkeeping the compiled step does around the forward:
+
+    free_a  -> shares_a -> free_b -> reserve -> forward -> sample -> advance -> shares_b
+
+free_a frees finished rows that are not parked and evicted cache rows; shares_a parks finished
+histories into cache rows and starts admitted requests from cached prefixes; free_b frees the
+rows parked in shares_a; shares_b parks the prefixes that a step's prefill just reached.
+
+Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` tokens:
+1. Requests whose last token was scheduled, or that met a stop token, give their rows back.
+2. Running requests in decode take one token each, oldest first; then running requests in
+   prefill take their next chunk (up to `chunk` tokens; cut to fit the budget and the slots).
+   A row whose step does not fit makes room: parked prefixes are evicted (least recently
+   used), then the most recently admitted running requests are preempted (their rows freed;
+   they wait at the head of the queue and are recomputed from prompt + generated tokens).
+3. Waiting requests are admitted in arrival order while rows, budget and slots last: a
+   request is admitted when its first step (its chunk, cut to the budget only) fits and
+   leaves `headroom` slots free in every group for the running rows to grow (no headroom
+   when nothing else runs, so a request that fits the pool alone always starts). A request
+   starts from the longest cached prefix of its tokens; one that shares a longer
+   block-aligned prefix with a request whose prefill is about to park it waits for that
+   prefix.
+Allocation is on demand: a request holds what the transforms hold after each step, never a
+reserved lifetime peak.
+
+Pipelining: a step may be planned before the tokens of the previous one are read. A decode
+row then feeds the token its row sampled in the previous step (`StepPlan.tokens` gives None
+for it: the runner takes it from the previous step's output on the device). A request that
+met a stop token is noticed one step late; the token its row drew meanwhile is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from swajax._ledger import SlotLedger
+from swajax._prefix_cache import PrefixCache, PrefixEntry
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request as the scheduler sees it.
+
+    The sequence is prompt + output; `fed` of its tokens have their KV in the request's row.
+    `num_generated` counts sampled tokens including one not yet read (`pending`).
+    """
+
+    id: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    sampling: object = None  # opaque to the scheduler (the runner reads it)
+    key_data: object = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_generated: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+    row: int | None = None
+    fed: int = 0
+    park_at: int = 0
+    done_scheduling: bool = False
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.num_generated > len(self.output)
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence, the pending one included."""
+        return len(self.prompt) + self.num_generated
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Known tokens [start, stop) of prompt + output."""
+        n = len(self.prompt)
+        return list(self.prompt[start:stop]) + self.output[max(start - n, 0) : max(stop - n, 0)]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step: per row the new tokens, and the bookkeeping around the forward."""
+
+    index: int
+    new_tokens: dict[int, int]  # row -> tokens this step
+    tokens: dict[int, list[int | None]]  # row -> token ids (None: the row's previous sample)
+    samples: dict[int, tuple[Request, int]]  # row -> (request, index of the token drawn)
+    free_a: list[int] = dataclasses.field(default_factory=list)
+    shares_a: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    free_b: list[int] = dataclasses.field(default_factory=list)
+    shares_b: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    used: tuple[int, ...] = ()  # slots held per group after the reserve (the step's peak)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_tokens.values())
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n <= 1 for n in self.new_tokens.values())
+
+
+@dataclasses.dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_tokens: int = 0
+    evictions: int = 0
+
+
+class Scheduler:
+    """Queue, admission, token budget, preemption and prefix parking over a `SlotLedger`.
+
+    Args:
+      ledger: the host mirror of the pool's slots (its layout's rows: the serving rows first,
+        then the cache rows).
+      serving_rows: rows that serve requests; rows past them are cache rows.
+      max_num_tokens: token budget of one step.
+      chunk: most prompt tokens one row takes in one step.
+      headroom: slots per group an admission must leave free (see the module docstring).
+      max_shares: most shares in shares_a and in shares_b of one step (the compiled step's
+        static capacity).
+    """
+
+    def __init__(
+        self,
+        ledger: SlotLedger,
+        *,
+        serving_rows: int,
+        max_num_tokens: int,
+        chunk: int,
+        headroom: Sequence[int],
+        max_shares: int = 0,
+    ):
+        layout = ledger.layout
+        if not 1 <= serving_rows <= layout.max_batch:
+            raise ValueError(f"serving_rows must be in [1, {layout.max_batch}], got {serving_rows}")
+        self.ledger = ledger
+        self.page_size = layout.page_size
+        self.serving_rows = serving_rows
+        self.max_num_tokens = max_num_tokens
+        self.chunk = chunk
+        self.headroom = tuple(headroom)
+        self.max_shares = max_shares
+        cache_rows = range(serving_rows, layout.max_batch)
+        self.cache = (
+            PrefixCache(layout.page_size, cache_rows) if cache_rows and max_shares else None
+        )
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.rows: list[Request | None] = [None] * serving_rows
+        self.requests: dict[int, Request] = {}
+        self.counters = SchedulerCounters()
+        self._release: list[Request] = []  # finished requests whose rows go back next step
+        self._free_next: list[int] = []  # rows freed in the ledger, on the device next step
+        self._steps = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, request: Request) -> None:
+        if request.id in self.requests:
+            raise ValueError(f"request id {request.id} is already queued")
+        request.status = WAITING
+        self.requests[request.id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._release or self._free_next)
+
+    def abort(self, request_ids: Sequence[int]) -> list[int]:
+        """Drops these requests; returns the rows to free (their KV is released next step)."""
+        rows = []
+        for rid in request_ids:
+            r = self.requests.pop(rid, None)
+            if r is None:
+                continue
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if r in self.running:
+                self.running.remove(r)
+            if r in self._release:
+                self._release.remove(r)
+            if r.row is not None:
+                rows.append(r.row)
+                self.rows[r.row] = None
+                r.row = None
+            r.status, r.finish_reason = FINISHED, r.finish_reason or "abort"
+        if rows:
+            self.ledger.free_rows(rows)
+            self._free_next += rows
+        return rows
+
+    def clear_cache(self) -> list[int]:
+        """Evicts every parked prefix; returns the cache rows to free."""
+        if self.cache is None:
+            return []
+        rows = [e.row for e in list(self.cache.entries.values())]
+        for e in list(self.cache.entries.values()):
+            self.cache.remove(e)
+        self.ledger.free_rows(rows)
+        self._free_next += rows
+        return rows
+
+    def bookkeeping_plan(self) -> StepPlan | None:
+        """A plan with only the frees of aborted requests and cleared cache rows, or None."""
+        if not self._free_next:
+            return None
+        plan = StepPlan(self._steps, {}, {}, {}, free_a=self._free_next, used=self.ledger.used())
+        self._free_next = []
+        return plan
+
+    # ------------------------------------------------------------------ tokens back
+
+    def on_sampled(self, plan: StepPlan, tokens: dict[int, int]) -> list[Request]:
+        """Records the tokens a step drew (row -> id); returns the requests that changed."""
+        changed = []
+        for row, (r, index) in plan.samples.items():
+            if r.status == FINISHED or index != len(r.output):
+                continue  # stopped earlier (this token is dropped) or aborted
+            token = int(tokens[row])
+            r.output.append(token)
+            changed.append(r)
+            if token in r.stop_token_ids:
+                self._finish(r, "stop")
+            elif len(r.output) == r.max_new_tokens:
+                self._finish(r, "length")
+        return changed
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.status, r.finish_reason = FINISHED, reason
+        r.num_generated = len(r.output)
+        if r in self.running:
+            self.running.remove(r)
+            self._release.append(r)
+        elif r in self.waiting:  # preempted, then finished by its last pending token
+            self.waiting.remove(r)
+
+    # ------------------------------------------------------------------ planning
+
+    def _need(self, row: int, n: int) -> tuple[int, ...]:
+        need = self.ledger.slots_needed({row: n})
+        assert need is not None, (row, n)
+        return need
+
+    def _fits(self, planned: list[int], need, headroom=None) -> bool:
+        room = headroom or (0,) * len(need)
+        return all(
+            p + n + h <= f for p, n, h, f in zip(planned, need, room, self.ledger.free, strict=True)
+        )
+
+    def _largest_fit(self, row: int, n: int, planned, headroom=None) -> int:
+        """The most tokens in [1, n] row can take this step within the free slots, or 0."""
+        if self._fits(planned, self._need(row, n), headroom):
+            return n
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(planned, self._need(row, mid), headroom):
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo > 0 and not self._fits(planned, self._need(row, lo), headroom):
+            lo -= 1
+        return lo
+
+    def _step_tokens(self, r: Request) -> int:
+        """Tokens r wants this step: 1 in decode, else a chunk (ending at park_at if set)."""
+        remaining = r.length - r.fed
+        if remaining <= 1:
+            return remaining
+        n = min(remaining, self.chunk)
+        if r.park_at > r.fed:
+            n = min(n, r.park_at - r.fed)
+        return n
+
+    def _evict(self, plan: StepPlan, protect=()) -> bool:
+        if self.cache is None:
+            return False
+        victim = self.cache.lru(protect=protect)
+        if victim is None:
+            return False
+        self.cache.remove(victim)
+        self.ledger.free_rows([victim.row])
+        plan.free_a.append(victim.row)
+        self.counters.evictions += 1
+        return True
+
+    def _preempt(self, r: Request, plan: StepPlan) -> None:
+        self.running.remove(r)
+        self.ledger.free_rows([r.row])
+        plan.free_a.append(r.row)
+        self.rows[r.row] = None
+        r.row, r.fed, r.park_at, r.status = None, 0, 0, WAITING
+        r.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _release_rows(self, plan: StepPlan, protect: set) -> None:
+        """Frees the rows of finished requests, parking their histories where a row is free."""
+        released_a = []
+        for r in self._release:
+            row, r.row = r.row, None
+            self.rows[row] = None
+            k = min(self.ledger.history[row], len(r.prompt) + len(r.output))
+            k = k // self.page_size * self.page_size
+            target = None
+            if self.cache is not None and k > 0 and len(plan.shares_a) < self.max_shares:
+                tokens = r.tokens(0, k)
+                if not self.cache.contains(tokens):
+                    target = self.cache.free_row()
+                    if target is None:  # a speculative park displaces only another one
+                        victim = self.cache.lru(kinds=("finished",), protect=protect)
+                        if victim is not None:
+                            self.cache.remove(victim)
+                            self.ledger.free_rows([victim.row])
+                            plan.free_a.append(victim.row)
+                            target = victim.row
+            if target is not None:
+                ok = self.ledger.share(row, target, k)
+                assert ok, (row, target, k)
+                self.cache.add(target, tokens, "finished")
+                plan.shares_a.append((row, target, k))
+                plan.free_b.append(row)
+            else:
+                plan.free_a.append(row)
+                released_a.append(row)
+        rows_b = [row for row in plan.free_b]
+        self.ledger.free_rows(released_a + rows_b)
+        self._release = []
+
+    def _park_target(self, plan: StepPlan, protect: set, taken: set) -> int | None:
+        """An empty cache row not in `taken` (evicting the least recently used entry if
+        needed), or None."""
+        used = {e.row for e in self.cache.entries.values()} | taken
+        row = next((r for r in self.cache.rows if r not in used), None)
+        if row is not None:
+            return row
+        victim = self.cache.lru(protect=protect)
+        if victim is None:
+            return None
+        self.cache.remove(victim)
+        self.ledger.free_rows([victim.row])
+        plan.free_a.append(victim.row)
+        return victim.row
+
+    def _plan_park(self, r: Request, start: int) -> None:
+        """r.park_at: the longest block-aligned prefix r shares with a waiting request."""
+        if self.cache is None:
+            return
+        best, seq = 0, r.tokens(0, r.length)
+        for other in self.waiting:
+            if other is r or other.pending:
+                continue
+            o = other.tokens(0, other.length)
+            n = 0
+            limit = min(len(seq), len(o)) - 1
+            while n < limit and seq[n] == o[n]:
+                n += 1
+            best = max(best, n // self.page_size * self.page_size)
+        if best > start and not self.cache.contains(seq[:best]):
+            r.park_at = best
+
+    def _awaits_park(self, r: Request, hit: int) -> bool:
+        """Whether a running request is about to park a longer prefix of r's tokens."""
+        for other in self.running:
+            k = other.park_at
+            if k > max(other.fed, hit) and k < r.length and r.tokens(0, k) == other.tokens(0, k):
+                return True
+        return False
+
+    def schedule(self) -> StepPlan | None:
+        """Plans the next step (mutating the ledger as the step will); None if idle."""
+        plan = StepPlan(self._steps, {}, {}, {}, free_a=self._free_next)
+        self._free_next = []
+        for r in self.running:
+            if r.num_generated >= r.max_new_tokens:
+                r.done_scheduling = True
+        for r in [r for r in self.running if r.done_scheduling]:
+            self.running.remove(r)
+            self._release.append(r)
+        used_sources: set[PrefixEntry] = set()
+        self._release_rows(plan, used_sources)
+        planned = [0] * len(self.ledger.free)
+        budget = self.max_num_tokens
+
+        def take(r: Request, n: int) -> None:
+            nonlocal budget
+            need = self._need(r.row, n)
+            for g, x in enumerate(need):
+                planned[g] += x
+            plan.new_tokens[r.row] = n
+            budget -= n
+
+        # 1-2. running requests: decode first, then prefill chunks; make room by preempting
+        decode = [r for r in self.running if r.length - r.fed == 1]
+        prefill = [r for r in self.running if r.length - r.fed > 1]
+        for r in decode + prefill:
+            if r not in self.running or budget == 0:
+                continue
+            want = min(self._step_tokens(r), budget)
+            while True:
+                n = self._largest_fit(r.row, want, planned)
+                if n > 0:
+                    take(r, n)
+                    break
+                if self._evict(plan, used_sources):
+                    continue
+                newest = next(x for x in reversed(self.running) if x.row not in plan.new_tokens)
+                self._preempt(newest, plan)
+                if newest is r:
+                    break
+
+        # 3. admission
+        free_rows = [b for b in range(self.serving_rows) if self.rows[b] is None]
+        blocked_rows = set(plan.free_b)  # freed after shares_a: no cached prefix into them
+        while self.waiting and budget > 0 and free_rows:
+            r = self.waiting[0]
+            if r.pending:  # its last token is still in flight: recompute once it is read
+                break
+            hit = None
+            if self.cache is not None:
+                hit = self.cache.lookup(r.tokens(0, r.length), r.length - 1)
+            k = len(hit.tokens) if hit is not None else 0
+            if self._awaits_park(r, k):
+                break
+            rows = [b for b in free_rows if b not in blocked_rows] if hit else free_rows
+            if not rows or (hit is not None and len(plan.shares_a) >= self.max_shares):
+                break
+            row = rows[0]
+            self.waiting.popleft()
+            r.row, r.fed, r.status = row, k, RUNNING
+            self.rows[row] = r
+            if hit is not None:
+                ok = self.ledger.share(hit.row, row, k)
+                assert ok, (hit.row, row, k)
+            self._plan_park(r, k)
+            headroom = self.headroom if self.running else None
+            # The first step as the budget allows, never cut to the free slots (a sliver of a
+            # prefill would hold slots only to be preempted as its neighbours grow).
+            n = min(self._step_tokens(r), budget)
+            protect = used_sources | ({hit} if hit else set())
+            while not self._fits(planned, self._need(row, n), headroom):
+                if not self._evict(plan, protect):
+                    n = 0
+                    break
+            if n == 0:  # does not fit: back to the head of the queue
+                self.ledger.free_rows([row])
+                self.rows[row] = None
+                r.row, r.fed, r.park_at, r.status = None, 0, 0, WAITING
+                self.waiting.appendleft(r)
+                break
+            free_rows.remove(row)
+            self.running.append(r)
+            if hit is not None:
+                used_sources.add(hit)
+                self.cache.touch(hit, hit=True)
+                plan.shares_a.append((hit.row, row, k))
+                r.prefix_hit_tokens = k
+                self.counters.prefix_hits += 1
+                self.counters.prefix_tokens += k
+            take(r, n)
+
+        if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
+            return None
+        # boundary parks: a cache row for each prefill that reaches its park_at this step
+        parks = []
+        for row, n in plan.new_tokens.items():
+            r = self.rows[row]
+            if r.park_at and r.fed + n == r.park_at and len(parks) < self.max_shares:
+                target = self._park_target(plan, used_sources, {t for _, t in parks})
+                if target is not None:
+                    parks.append((r, target))
+                else:
+                    r.park_at = 0
+        ok = self.ledger.reserve(plan.new_tokens)
+        assert ok, plan.new_tokens
+        plan.used = self.ledger.used()
+        self.ledger.advance()
+        for r, target in parks:
+            k = r.park_at
+            ok = self.ledger.share(r.row, target, k)
+            assert ok, (r.row, target, k)
+            self.cache.add(target, r.tokens(0, k), "boundary")
+            plan.shares_b.append((r.row, target, k))
+            r.park_at = 0
+        for row, n in plan.new_tokens.items():
+            r = self.rows[row]
+            known = len(r.prompt) + len(r.output)
+            plan.tokens[row] = r.tokens(r.fed, r.fed + n) + [None] * max(r.fed + n - known, 0)
+            assert plan.tokens[row].count(None) <= 1 and len(plan.tokens[row]) == n
+            r.fed += n
+            if r.fed == r.length:
+                plan.samples[row] = (r, r.num_generated)
+                r.num_generated += 1
+        self._steps += 1
+        return plan
+
+
+def default_headroom(num_slots: Sequence[int], fraction: float = 0.01) -> tuple[int, ...]:
+    """Slots per group an admission leaves free: `fraction` of the group, at least one."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"headroom fraction must be in [0, 1), got {fraction}")
+    return tuple(max(1, math.ceil(fraction * n)) if fraction > 0 else 0 for n in num_slots)

@@ -1,0 +1,103 @@
+"""Compile once: engines share compiled steps, layouts are deterministic, steps can be compiled
+ahead of time, and the persistent compilation cache serves a second process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from test_generate import dense_greedy, kv_config, make_model, prompts_of
+
+import swajax
+from swajax._budget import round_quota
+
+
+def _engine(model, **kw):
+    return swajax.Engine(
+        model,
+        kv_config(True, max_gpu_total_bytes=None, free_gpu_memory_fraction=0.05),
+        max_context=128,
+        max_batch=3,
+        prefill_chunk_size=16,
+        max_num_tokens=48,
+        implementation="reference",
+        **kw,
+    )
+
+
+def test_quota_rounding_gives_the_same_layout_for_nearby_free_memory():
+    gib = 1 << 30
+    # 64 GiB <= quota < 128 GiB: steps of 2 GiB
+    assert round_quota(100 * gib + 12345) == round_quota(101 * gib + (5 << 20)) == 100 * gib
+    assert round_quota(3 * gib + (70 << 20)) == 3 * gib + (64 << 20)
+    assert round_quota(10 << 20) == 10 << 20  # tiny quotas are kept
+    assert round_quota(2 * gib - 1) <= 2 * gib - 1
+
+
+def test_two_engines_of_one_model_trace_once_and_precompile_covers_the_run():
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 9, 21], seed=2)
+    expected = dense_greedy(model, prompts, 5)
+    first = _engine(model, precompile=True)
+    traced = first.trace_count
+    assert traced == len(first.step_buckets())  # one per step shape, compiled up front
+    assert first.run(prompts, 5)[0] == expected
+    assert first.trace_count == traced  # the run compiled nothing more
+    second = _engine(model)
+    assert second.layout == first.layout
+    assert second.run(prompts, 5)[0] == expected
+    assert second.trace_count == 0 and first.trace_count == traced
+
+
+def test_generate_reuses_its_engine():
+    model = make_model("gemma4")
+    prompts = prompts_of([20, 7], seed=3)
+    cfg = kv_config(True)
+    swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
+    engine = swajax._generate.ENGINE_CACHE.engine
+    again = swajax.generate(model, prompts[:1], 2, kv_cache_config=cfg, prefill_chunk_size=16)
+    assert swajax._generate.ENGINE_CACHE.engine is engine
+    assert again == dense_greedy(model, prompts[:1], 2)
+    swajax._generate.ENGINE_CACHE.clear()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    sys.path.insert(0, {tests!r})
+    from test_generate import make_model, prompts_of, kv_config
+    import swajax
+    hits = []
+    class Hits(logging.Handler):
+        def emit(self, record):
+            if "cache hit" in record.getMessage().lower():
+                hits.append(record.getMessage())
+    logging.getLogger("jax._src.compilation_cache").addHandler(Hits())
+    logging.getLogger("jax._src.compilation_cache").setLevel(logging.DEBUG)
+    logging.getLogger("jax._src.compiler").addHandler(Hits())
+    logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+    engine = swajax.Engine(make_model("gemma3"), kv_config(True), max_context=64, max_batch=2,
+                           prefill_chunk_size=16, max_num_tokens=32, implementation="reference")
+    print(engine.run(prompts_of([20, 5]), 3)[0])
+    print("HITS", len(hits))
+    """
+)
+
+
+def test_second_process_compiles_from_the_persistent_cache(tmp_path):
+    env = dict(os.environ, SWAJAX_COMPILATION_CACHE="1", SWAJAX_COMPILATION_CACHE_DIR=str(tmp_path))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    script = SCRIPT.format(tests=str(Path(__file__).parent))
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+        for _ in range(2)
+    ]
+    assert runs[0][0] == runs[1][0]  # same tokens
+    assert any(tmp_path.iterdir())  # the first process filled the cache
+    first_hits, second_hits = (int(r[-1].split()[-1]) for r in runs)
+    assert second_hits > first_hits, (first_hits, second_hits)

@@ -1,0 +1,337 @@
+"""The continuous-batching engine against the dense model: preemption, budgets, arrivals, stop
+tokens, sampling reproducibility, concurrency, bad input and interrupted runs.
+
+The oracle is `dense_greedy` (the cache-free forward re-run each step), which shares no code
+with the scheduler, the pool or the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_generate import VOCAB, dense_greedy, kv_config, make_model, prompts_of
+
+import swajax
+
+
+def engine_for(model, *, scratch=True, quota=64 << 20, ratio=None, **kw):
+    cfg = kv_config(scratch, max_gpu_total_bytes=quota, pool_ratio=ratio)
+    kw.setdefault("max_context", 128)
+    kw.setdefault("max_batch", 4)
+    kw.setdefault("prefill_chunk_size", 16)
+    kw.setdefault("min_prefill_bucket", 64)
+    kw.setdefault("max_num_tokens", 64)
+    return swajax.Engine(model, cfg, implementation="reference", **kw)
+
+
+def quota_for(model, requests: int, prompt_len: int, new: int, *, scratch=True, chunk=16):
+    """A byte quota and pinned ratio with room for about `requests` requests' peaks."""
+    probe = engine_for(model, scratch=scratch, prefill_chunk_size=chunk)
+    need = swajax.request_slots(probe.layout, prompt_len, chunk=chunk, max_new_tokens=new - 1)
+    size = [probe.layout.slot_bytes(g) for g in range(len(need))]
+    share = [requests * n * b for n, b in zip(need, size, strict=True)]
+    return int(sum(share) * 1.02) + sum(size), tuple(float(x) for x in share)
+
+
+def until_stop(tokens, stop):
+    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+def all_free(engine):
+    engine.clear_prefix_cache()
+    return list(np.asarray(engine.state.free_count)) == list(engine.num_slots)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_repeated_preemption_keeps_greedy_tokens(family):
+    model = make_model(family)
+    prompts = prompts_of([30, 25, 33, 12, 28, 19], seed=3)
+    expected = dense_greedy(model, prompts, 8)
+    quota, ratio = quota_for(model, 1.4, 33, 8)
+    engine = engine_for(model, quota=quota, ratio=ratio, max_batch=4)
+    outputs, stats = engine.run(prompts, 8)
+    assert outputs == expected
+    assert stats.preemptions >= 2, stats.preemptions
+    assert all_free(engine)
+
+
+def test_budget_smaller_than_a_chunk_and_scratch_on_off():
+    model = make_model("gemma4")
+    prompts = prompts_of([37, 20, 5], seed=1)
+    expected = dense_greedy(model, prompts, 5)
+    for scratch in (True, False):
+        engine = engine_for(
+            model, scratch=scratch, max_num_tokens=8, prefill_chunk_size=32, min_prefill_bucket=8
+        )
+        outputs, stats = engine.run(prompts, 5)
+        assert outputs == expected, scratch
+        assert stats.steps >= (37 + 20 + 5) // 8
+        assert all_free(engine)
+
+
+def test_requests_arriving_while_others_decode_and_stop_tokens():
+    model = make_model("gemma3")
+    first, later = prompts_of([21, 9], seed=7), prompts_of([14, 30], seed=8)
+    want_first = dense_greedy(model, first, 10)
+    want_later = dense_greedy(model, later, 6)
+    stop = want_later[1][2]  # the third token of the last request stops it
+    engine = engine_for(model)
+    ids = [engine.add_request(p, 10) for p in first]
+    got: dict[int, list[int]] = {}
+    reasons = {}
+    steps = 0
+    late_ids = []
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert list(out.token_ids) == got[out.request_id]
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 4:  # the first two are decoding by now
+            late_ids = [engine.add_request(p, 6, stop_token_ids=[stop]) for p in later]
+    assert [got[i] for i in ids] == want_first
+    assert got[late_ids[0]] == until_stop(want_later[0], stop)
+    assert got[late_ids[1]] == want_later[1][:3] and reasons[late_ids[1]] == "stop"
+    assert reasons[ids[0]] == "length"
+    assert all_free(engine)
+
+
+def test_sampled_tokens_reproducible_under_preemption():
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 25, 33, 12], seed=9)
+    sampling = swajax.SamplingParams(temperature=1.0, top_k=16)
+    roomy = engine_for(model)
+    free_run, free_stats = roomy.run(prompts, 8, sampling=sampling, seed=5)
+    quota, ratio = quota_for(model, 1.4, 33, 8)
+    tight = engine_for(model, quota=quota, ratio=ratio)
+    tight_run, tight_stats = tight.run(prompts, 8, sampling=sampling, seed=5)
+    assert free_stats.preemptions == 0 and tight_stats.preemptions >= 1
+    assert tight_run == free_run
+    other, _ = roomy.run(prompts, 8, sampling=sampling, seed=6)
+    assert other != free_run
+
+
+def test_on_demand_allocation_serves_many_rows_without_scratch():
+    """Scratch off, chunk far above the window: one request's lifetime peak holds its whole
+    prompt in every sliding layer, but after its prefill it keeps only the window. A quota
+    with room for one peak plus six requests at steady state serves about six at once."""
+    model = make_model("gemma3")  # window 16, page 16
+    prompts = prompts_of([96] * 8, seed=2)
+    probe = engine_for(model, scratch=False, prefill_chunk_size=96, max_num_tokens=96)
+    peak = swajax.request_slots(probe.layout, 96, chunk=96, max_new_tokens=7)
+    steady = swajax._ledger.row_peak_slots(probe.layout, [96])[0]
+    size = [probe.layout.slot_bytes(g) for g in range(len(peak))]
+    slots = [p + 6 * (s + 1) for p, s in zip(peak, steady, strict=True)]
+    quota = sum(n * b for n, b in zip(slots, size, strict=True)) + sum(size)
+    engine = engine_for(
+        model,
+        scratch=False,
+        quota=quota,
+        ratio=tuple(float(n * b) for n, b in zip(slots, size, strict=True)),
+        max_batch=8,
+        prefill_chunk_size=96,
+        max_num_tokens=96,
+        min_prefill_bucket=96,
+    )
+    # Reserving lifetime peaks would admit this many at once:
+    lifetime = min(n // p for n, p in zip(engine.num_slots, peak, strict=True))
+    assert lifetime <= 3
+    outputs, stats = engine.run(prompts, 8)
+    assert outputs == dense_greedy(model, prompts, 8)
+    assert stats.max_concurrent >= 5, (stats.max_concurrent, lifetime)
+
+
+def test_multi_turn_prefix_hits_with_scratch():
+    model = make_model("gemma4")
+    engine = engine_for(model, prefix_cache_rows=2, max_batch=2)
+    turn = prompts_of([40], seed=4)[0]
+    hits = []
+    for k in range(3):
+        out, stats = engine.run([turn], 6)
+        assert out == dense_greedy(model, [turn], 6)
+        hits.append(stats.prefix_tokens)
+        turn = turn + out[0] + prompts_of([5], seed=10 + k)[0]
+    assert hits[0] == 0 and hits[1] >= 32 and hits[2] >= 48, hits
+    assert all_free(engine)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    new=st.integers(1, 6),
+    arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
+    budget=st.sampled_from([8, 64]),
+    tight=st.booleans(),
+)
+def test_random_arrivals_budgets_and_quotas_lose_nothing(lengths, new, arrivals, budget, tight):
+    model = make_model("gemma3")
+    prompts = prompts_of(lengths, seed=sum(lengths))
+    quota, ratio = quota_for(model, 1.2, 40, new) if tight else (64 << 20, None)
+    engine = engine_for(
+        model, quota=quota, ratio=ratio, max_num_tokens=budget, min_prefill_bucket=8
+    )
+    pending = sorted(zip(arrivals[: len(prompts)], range(len(prompts)), strict=True))
+    ids, got, steps = {}, {}, 0
+    while pending or engine.has_unfinished_requests:
+        while pending and pending[0][0] <= steps:
+            _, i = pending.pop(0)
+            ids[engine.add_request(prompts[i], new)] = i
+        for out in engine.step():
+            got[ids[out.request_id]] = list(out.token_ids)
+        steps += 1
+    assert [got[i] for i in range(len(prompts))] == dense_greedy(model, prompts, new)
+    assert all_free(engine)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, match",
+    [
+        ([1, 2.0], {}, "integer token ids"),
+        ([1, True], {}, "integer token ids"),
+        ([], {}, "empty"),
+        ([1, VOCAB], {}, "outside"),
+        ([1] * 120, {"max_new_tokens": 20}, "max_context"),
+        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([1, 2], {"max_new_tokens": 2.0}, "max_new_tokens"),
+        ([1, 2], {"stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
+        ([1, 2], {"sampling": "greedy"}, "SamplingParams"),
+    ],
+)
+def test_add_request_rejects_bad_input_and_keeps_the_queue(prompt, kwargs, match):
+    engine = engine_for(make_model("gemma3"))
+    good = engine.add_request([3, 4, 5], 2)
+    kwargs.setdefault("max_new_tokens", 3)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, **kwargs)
+    outs = []
+    while engine.has_unfinished_requests:
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == [good]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
+def test_sampling_params_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        swajax.SamplingParams(**kwargs)
+
+
+def test_engine_and_generate_arguments_validated():
+    model = make_model("gemma3")
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        engine_for(model, max_num_tokens=-1)
+    with pytest.raises(ValueError, match="max_batch"):
+        swajax.generate(model, [[1, 2]], 2, max_batch=0)
+    engine = engine_for(model)
+    with pytest.raises(ValueError, match="unknown request"):
+        engine.abort([12345])
+    with pytest.raises(ValueError, match="seed"):
+        engine.run([[1, 2]], 2, seed=-3)
+    # NumPy integers are ints; a huge max_batch is capped at the prompts.
+    out = swajax.generate(
+        model,
+        [np.array([1, 2, 3]), [np.int64(4), 5]],
+        np.int64(2),
+        max_batch=10**5,
+        kv_cache_config=kv_config(True),
+    )
+    assert out == dense_greedy(model, [[1, 2, 3], [4, 5]], 2)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_exception_in_callback_leaves_the_engine_consistent():
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 12, 25], seed=12)
+    expected = dense_greedy(model, prompts, 6)
+    engine = engine_for(model)
+
+    def boom(i, out):
+        if len(out.token_ids) == 3:
+            raise RuntimeError("user callback failed")
+
+    with pytest.raises(RuntimeError, match="user callback"):
+        engine.run(prompts, 6, callback=boom)
+    assert all_free(engine)
+    outputs, _ = engine.run(prompts, 6)
+    assert outputs == expected
+
+
+def test_sigint_during_a_run_is_deferred_and_the_engine_survives():
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 12, 25, 18], seed=13)
+    expected = dense_greedy(model, prompts, 12)
+    engine = engine_for(model)
+    engine.run(prompts, 2)  # compile first, so the signal lands in the serving loop
+
+    def interrupt(i, out):
+        if len(out.token_ids) == 4 and i == 0:
+            threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.run(prompts, 12, callback=interrupt)
+        for _ in range(200):  # the timer fires after the run: wait for it here
+            threading.Event().wait(0.01)
+    assert all_free(engine)
+    outputs, _ = engine.run(prompts, 12)
+    assert outputs == expected
+
+
+def test_threads_share_one_engine_safely():
+    model = make_model("gemma3")
+    prompts = [prompts_of([10 + 3 * i, 7], seed=20 + i) for i in range(4)]
+    expected = [dense_greedy(model, p, 4) for p in prompts]
+    engine = engine_for(model)
+    engine.run(prompts[0], 4)  # compile
+    results = [None] * 4
+
+    def work(i):
+        results[i] = engine.run(prompts[i], 4)[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+    assert all_free(engine)
+
+
+def test_logits_of_a_preempted_request_match_an_unpreempted_run():
+    model = make_model("gemma4")
+    prompts = prompts_of([30, 25, 33, 12], seed=14)
+    roomy = engine_for(model)
+    _, a = roomy.run(prompts, 6, collect_logits=True)
+    quota, ratio = quota_for(model, 1.4, 33, 6)
+    _, b = engine_for(model, quota=quota, ratio=ratio).run(prompts, 6, collect_logits=True)
+    assert b.preemptions >= 1
+    la = {(i, k): x for i, k, x in a.step_logits}
+    lb = {(i, k): x for i, k, x in b.step_logits}
+    assert la.keys() == lb.keys()
+    for key in la:
+        np.testing.assert_allclose(lb[key], la[key], rtol=1e-4, atol=1e-4)
+    assert jnp.isfinite(jnp.asarray(list(la.values()))).all()

@@ -1,0 +1,256 @@
+"""The scheduler's policy on a toy slot ledger (no model, no device arrays).
+
+`ToyLedger` holds one block per `page_size` tokens of each row, in one pool group, and
+releases nothing: a request's slots are ceil(length / page_size), so every figure below can be
+computed by hand. The drivers play the engine: plan a step, then hand back a token for every
+sampling row (right away, or one step late as the pipelined engine does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from swajax._scheduler import FINISHED, Request, Scheduler
+
+PAGE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    page_size: int
+    max_batch: int
+
+
+class ToyLedger:
+    """One pool group; a row holds ceil(history / page_size) blocks; shares copy blocks."""
+
+    def __init__(self, num_slots: int, rows: int):
+        self.layout = _Layout(PAGE, rows)
+        self.num_slots = num_slots
+        self.free = [num_slots]
+        self.history = [0] * rows
+        self.blocks = [set() for _ in range(rows)]  # block ids (shared ids count once)
+        self.refs: dict = {}
+        self._next = 0
+
+    def used(self):
+        return (self.num_slots - self.free[0],)
+
+    def is_empty(self, row):
+        return self.history[row] == 0 and not self.blocks[row]
+
+    def slots_needed(self, new_tokens):
+        total = 0
+        for b, n in new_tokens.items():
+            if n < 0:
+                return None
+            total += math.ceil((self.history[b] + n) / PAGE) - len(self.blocks[b])
+        return (total,)
+
+    def reserve(self, new_tokens):
+        need = self.slots_needed(new_tokens)
+        if need is None or need[0] > self.free[0]:
+            return False
+        for b, n in new_tokens.items():
+            for _ in range(math.ceil((self.history[b] + n) / PAGE) - len(self.blocks[b])):
+                self.blocks[b].add(self._next)
+                self.refs[self._next] = 1
+                self._next += 1
+            self.history[b] += n
+        self.free[0] -= need[0]
+        return True
+
+    def advance(self):
+        pass
+
+    def free_rows(self, rows):
+        for b in rows:
+            for i in self.blocks[b]:
+                self.refs[i] -= 1
+                if self.refs[i] == 0:
+                    self.free[0] += 1
+            self.blocks[b] = set()
+            self.history[b] = 0
+
+    def share(self, src, dst, k):
+        if not self.is_empty(dst):
+            return False
+        k = min(k, self.history[src]) // PAGE * PAGE
+        ids = sorted(self.blocks[src])[: k // PAGE]
+        for i in ids:
+            self.refs[i] += 1
+        self.blocks[dst] = set(ids)
+        self.history[dst] = k
+        return True
+
+
+def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0):
+    ledger = ToyLedger(num_slots, rows + cache_rows)
+    return Scheduler(
+        ledger,
+        serving_rows=rows,
+        max_num_tokens=budget,
+        chunk=chunk,
+        headroom=(headroom,),
+        max_shares=4 if cache_rows else 0,
+    )
+
+
+def req(i, n, new, stop=()):
+    return Request(
+        id=i, prompt=tuple(range(1, n + 1)), max_new_tokens=new, stop_token_ids=frozenset(stop)
+    )
+
+
+def drive(s, *, token=lambda r, k: 1000 + k, pipelined=False, max_steps=10_000):
+    """Runs the scheduler to the end; returns the plans."""
+    plans, previous = [], None
+    for _ in range(max_steps):
+        plan = s.schedule() if s.has_work else None
+        if pipelined and previous is not None:
+            s.on_sampled(previous, {row: token(r, k) for row, (r, k) in previous.samples.items()})
+        if plan is None:
+            if previous is None and not s.has_work:
+                return plans
+            previous = None
+            continue
+        plans.append(plan)
+        if pipelined:
+            previous = plan
+        else:
+            s.on_sampled(plan, {row: token(r, k) for row, (r, k) in plan.samples.items()})
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_decode_rows_first_then_prefill_fills_the_budget():
+    s = make(budget=10, chunk=32)
+    for i in range(3):
+        s.add(req(i, 2, 5))
+    s.schedule()  # three 2-token prefills
+    s.add(req(3, 40, 2))
+    plan = s.schedule()
+    assert [plan.new_tokens[r] for r in range(3)] == [1, 1, 1]  # the decodes first
+    assert plan.new_tokens[3] == 7  # the rest of the budget: a chunk cut to fit
+    assert plan.num_tokens == 10
+
+
+def test_budget_smaller_than_a_chunk_takes_several_steps():
+    s = make(budget=5, chunk=32)
+    s.add(req(0, 23, 1))
+    plans = drive(s)
+    assert [p.new_tokens[0] for p in plans if p.new_tokens] == [5, 5, 5, 5, 3]
+    assert plans[-1].free_a == [0] and not plans[-1].new_tokens  # the row goes back
+    assert s.requests[0].output == [1000]
+
+
+def test_admission_is_on_demand_not_lifetime_peak():
+    """Each request needs 3 blocks after its prefill (10 tokens) and 4 at its peak (2 + 3 new
+    tokens reach 13): 10 slots hold 3 requests at once by their next step, not 2."""
+    s = make(num_slots=10, rows=4, budget=64, chunk=64)
+    for i in range(4):
+        s.add(req(i, 10, 4))
+    first = s.schedule()
+    assert sorted(first.new_tokens) == [0, 1, 2]  # 3 x 3 slots, a fourth would need 12
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    s = make(num_slots=6, rows=3, budget=64, chunk=64)
+    for i in range(3):
+        s.add(req(i, 4, 8))  # one block each after the prefill; decode grows a block per 4
+    plans = drive(s)
+    preempted = [r for r in s.requests.values() if r.preemptions]
+    assert s.counters.preemptions >= 1
+    assert all(r.id == 2 or r.id == 1 for r in preempted)  # never the oldest
+    assert s.requests[0].preemptions == 0
+    for r in s.requests.values():
+        assert r.status == FINISHED and r.output == [1000 + k for k in range(8)]
+    assert s.ledger.free == [6]
+    assert sum(len(p.free_a) for p in plans) >= 3 + s.counters.preemptions
+
+
+def test_fifo_admission_does_not_starve_a_long_request():
+    """A long request at the head waits for room; shorter later ones never overtake it."""
+    s = make(num_slots=12, rows=4, budget=64, chunk=64)
+    s.add(req(0, 30, 4))  # 9 blocks at its peak
+    s.add(req(1, 30, 4))
+    for i in range(2, 8):
+        s.add(req(i, 2, 2))
+    order = []
+    while s.has_work:
+        plan = s.schedule()
+        for row in sorted(plan.new_tokens):
+            if s.rows[row].id not in order:
+                order.append(s.rows[row].id)
+        s.on_sampled(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
+    assert order == list(range(8))  # first scheduled in arrival order
+    assert all(r.status == FINISHED for r in s.requests.values())
+
+
+def test_stop_token_ends_a_request_one_step_late_when_pipelined():
+    s = make(budget=64)
+    s.add(req(0, 3, 10, stop=(1002,)))
+    s.add(req(1, 3, 4))
+    drive(s, pipelined=True)
+    a, b = s.requests[0], s.requests[1]
+    assert a.output == [1000, 1001, 1002] and a.finish_reason == "stop"
+    assert b.output == [1000, 1001, 1002, 1003] and b.finish_reason == "length"
+    assert s.ledger.free == [100]
+
+
+def test_pipelined_decode_feeds_the_previous_sample():
+    s = make(budget=64)
+    s.add(req(0, 3, 3))
+    plans = drive(s, pipelined=True)
+    assert plans[0].tokens[0] == [1, 2, 3]
+    assert plans[1].tokens[0] == [None]  # the token drawn by the step before, on the device
+    assert s.requests[0].output == [1000, 1001, 1002]
+
+
+def test_prefix_cache_parks_finished_history_and_next_turn_hits():
+    s = make(budget=64, cache_rows=1)
+    s.add(req(0, 10, 7))  # history 10 + 6 = 16 tokens = 4 blocks when it finishes
+    drive(s)
+    turn2 = Request(
+        id=1,
+        prompt=tuple(range(1, 11)) + tuple(1000 + k for k in range(7)) + (9,),
+        max_new_tokens=2,
+    )
+    s.add(turn2)
+    plans = drive(s)
+    assert s.counters.prefix_hits == 1 and s.counters.prefix_tokens == 16
+    assert plans[0].shares_a and plans[0].new_tokens[0] == 18 - 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=10),
+    new=st.lists(st.integers(1, 12), min_size=10, max_size=10),
+    budget=st.integers(1, 64),
+    chunk=st.integers(1, 48),
+    slots=st.integers(13, 40),
+    rows=st.integers(1, 5),
+    pipelined=st.booleans(),
+    cache_rows=st.sampled_from([0, 0, 2]),
+)
+def test_every_request_finishes_and_no_slot_leaks(
+    lengths, new, budget, chunk, slots, rows, pipelined, cache_rows
+):
+    s = make(num_slots=slots, rows=rows, budget=budget, chunk=chunk, cache_rows=cache_rows)
+    for i, n in enumerate(lengths):
+        s.add(req(i, n, new[i]))
+    drive(s, pipelined=pipelined)
+    for i in range(len(lengths)):
+        r = s.requests[i]
+        assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
+    s.ledger.free_rows(range(rows, rows + cache_rows))  # parked prefixes
+    assert s.ledger.free == [slots]
+
+
+def test_serving_rows_validated():
+    with pytest.raises(ValueError, match="serving_rows"):
+        Scheduler(ToyLedger(4, 2), serving_rows=3, max_num_tokens=8, chunk=8, headroom=(0,))
