@@ -40,13 +40,10 @@ import concurrent.futures
 import functools
 import glob
 import hashlib
-import importlib.metadata
 import itertools
 import json
 import os
-import platform
 import re
-import subprocess
 import time
 import traceback
 import warnings
@@ -973,43 +970,15 @@ def run_presets_kv_write(records, args, quick, flush):
             del pool
 
 
-def versions() -> dict:
-    """Package versions, the git commit (or $SWAJAX_GIT_COMMIT where the tree has no .git)
-    and a hash of the kernel and benchmark sources, which names the code even without git."""
-
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+def sources_sha256() -> str:
+    """A hash of the kernel sources and this script: names the code of a run even where the
+    machine's copy of the tree has no .git and $SWAJAX_GIT_COMMIT was not set."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except Exception:  # noqa: BLE001
-        commit = None
-    sources = sorted(glob.glob(os.path.join(root, "pallas_kernels", "*.py")))
-    sources.append(os.path.abspath(__file__))
     digest = hashlib.sha256()
-    for path in sources:
+    for path in sorted(glob.glob(os.path.join(root, "pallas_kernels", "*.py"))) + [__file__]:
         with open(path, "rb") as f:
             digest.update(f.read())
-    return dict(
-        python=platform.python_version(),
-        jax=jax.__version__,
-        jaxlib=version("jaxlib"),
-        git_commit=commit or os.environ.get("SWAJAX_GIT_COMMIT"),
-        sources_sha256=digest.hexdigest()[:16],
-    )
+    return digest.hexdigest()[:16]
 
 
 # %% main
@@ -1049,23 +1018,15 @@ def main():
     )
     args = p.parse_args()
     args.schedules = [x for x in args.schedules.split(",") if x]
-    dev = jax.devices()[0]
+    from experiments._meta import run_metadata
+
+    params = {k: v for k, v in vars(args).items() if k != "out"}
+    if args.presets:
+        params.update(decode=PRESET_DECODE, prefill=PRESET_PREFILL, kv_write=PRESET_KV_WRITE)
     res = dict(
-        device=dev.device_kind,
-        platform=dev.platform,
+        run_metadata(**params),
         jax_version=jax.__version__,
-        versions=versions(),
-        argv=os.sys.argv[1:],
-        parameters=dict(
-            presets=args.presets,
-            decode=PRESET_DECODE,
-            prefill=PRESET_PREFILL,
-            kv_write=PRESET_KV_WRITE,
-            schedules=args.schedules,
-            compile_threads=args.compile_threads,
-        )
-        if args.presets
-        else {},
+        sources_sha256=sources_sha256(),
         records=[],
     )
     copies = dict(jnp=jnp_copy_tbs(args.quick), **_PEER_COPY)

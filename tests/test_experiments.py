@@ -207,5 +207,5 @@ def test_bench_kernels_presets_quick(tmp_path, monkeypatch, capsys):
         for r in records
         if r["kernel"] == "prefill" and r["shape"]["head_dim"] == 512
     )
-    assert res["versions"]["jax"] and res["copy_tbs"] > 0
+    assert res["versions"]["jax"] and res["copy_tbs"] > 0 and res["sources_sha256"]
     assert "q8kv1d512-full" in capsys.readouterr().out
