@@ -242,7 +242,8 @@ def _pick_producer(
     n_pad = producer_rows(group)
     block_kv = tuning.block_kv
     if block_kv is None:
-        # One step is 32-64 KB of K or V: D=128 128 tokens, D >= 256 64 (fp8: 128 at D=128).
+        # One ring slot (a step's K or V) of 32 KB (bf16 at D=128 and 256) or 64 KB (D=512);
+        # fp8: 16-32 KB.
         block_kv = 128 if head_dim <= 128 else 64
     pc.check_block_kv(block_kv, page_size)  # S^T = K Q^T: M = block_kv, a multiple of 64
 
@@ -251,7 +252,7 @@ def _pick_producer(
 
     num_stages = tuning.num_stages
     if num_stages is None:
-        # Two blocks per SM when three slots fit in half the SMEM (two steps of K or V in
+        # Two blocks per SM when at least three slots fit in half the SMEM (two of them in
         # flight per block while the consumer holds the third), else one block with as many
         # slots as fit (at head_dim 512: three slots of 64 KB, 128 KB in flight).
         half = SMEM_PER_SM // 2 - 1024
