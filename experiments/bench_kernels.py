@@ -225,15 +225,20 @@ def run_decode(records, args, quick):
             tunings = [{}]
             sweep = args.sweep and not quick and context == 32768 and window is None
             if sweep:
-                # Split-K x ring shapes. Rings at 128 were swept in v3 (NOTES.md); 32-token
-                # steps (v6) fit two stages beside the 64 KB Q tile at head_dim 512, and two
-                # 2-stage blocks per SM at 256.
+                # Split-K x ring shapes, both decode schedules (v8). Lockstep rings at 128
+                # were swept in v3 (NOTES.md); 32-token steps (v6) fit two stages beside the
+                # 64 KB Q tile at head_dim 512, and two 2-stage blocks per SM at 256.
                 # (An L2 prefetch knob swept in v5 was slower everywhere and was removed.)
                 splits = (None, 1, 2, 4) if batch == 128 else (None, 2, 4, 8)
+                lock = dict(schedule="lockstep")
                 rings = {
-                    256: [{}, dict(block_kv=32, num_stages=2), dict(block_kv=32, num_stages=4)],
-                    512: [dict(block_kv=64), dict(block_kv=32)],
-                }.get(d, [{}])
+                    256: [
+                        dict(lock, block_kv=32, num_stages=2),
+                        dict(lock, block_kv=32, num_stages=4),
+                    ],
+                    512: [dict(lock, block_kv=64), dict(lock, block_kv=32)],
+                }.get(d, [])
+                rings = [{}, lock] + rings
                 tunings = [dict(r, num_splits=s) for r in rings for s in splits]
             best = None
             for tuning in tunings:
