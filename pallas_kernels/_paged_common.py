@@ -1,10 +1,12 @@
 """Pieces shared by the Mosaic GPU paged attention kernels (decode and ragged prefill).
 
 `issue_pages` streams one pipeline step of K or V pages into an SMEM ring slot by TMA, the
-page ids read from the page table (`page_issuer` binds it to a CUDA block's K and V rings);
-`softmax_step` is the float32 online-softmax update in log2 units; `dequant` turns an fp8 SMEM
-chunk into float16 for WGMMA. Also the supported shapes and the trace-time checks of the tuning
-knobs both kernels share.
+page ids read from the page table (`step_pages`, then `copy_pages`; `PageIssuer` binds them to
+a CUDA block's K and V rings); `softmax_step` is the float32 online-softmax update in log2
+units, over the columns (keys along rows of the query tile) or the rows (the decode kernel's
+producer schedule, keys as WGMMA rows); `dequant` turns an fp8 SMEM chunk into float16 for
+WGMMA. Also the supported shapes and the trace-time checks of the tuning knobs both kernels
+share.
 
 Axis names: S page_size, T tokens per step (block_kv), D head_dim.
 """
@@ -70,6 +72,41 @@ def row_swizzle(cols, dtype) -> int:
     return min(SWIZZLE, cols * jnp.dtype(dtype).itemsize)
 
 
+def step_pages(pt_ref, *, b, role, step, block_kv, page_size, lo_blk, hi_blk, max_blocks):
+    """The page reads of tokens [step * T, (step + 1) * T) of role (0 K, 1 V): a list of
+    (page id, rows of the page) in ring-row order.
+
+    Blocks outside [lo_blk, hi_blk) are never read: such a part of a step re-reads an in-range
+    page (its logits are masked), so BAD and out-of-window pages stay untouched. The page ids
+    are scalar loads from GMEM; a caller that has to wait before it may copy issues them first,
+    so their latency overlaps the wait.
+    """
+    pages_per_step = max(1, block_kv // page_size)
+    copy_rows = min(block_kv, page_size)
+    tok0 = step * block_kv
+    reads = []
+    for i in range(pages_per_step):
+        if block_kv >= page_size:
+            blk = step * pages_per_step + i
+            rows = slice(None)
+        else:
+            blk = tok0 // page_size
+            # Tiled SMEM needs tile-aligned GMEM offsets; the offset is a multiple of T.
+            rows = pl.ds(pl.multiple_of(tok0 % page_size, block_kv), copy_rows)
+        blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
+        reads.append((jnp.maximum(pt_ref[b, role, blk], 0), rows))
+    return reads
+
+
+def copy_pages(pool_ref, reads, dst, bar, *, kv_head):
+    """TMA-copies the `step_pages` reads of one KV head into dst [T, D], arriving on bar."""
+    copy_rows = dst.shape[0] // len(reads)
+    for i, (page, rows) in enumerate(reads):
+        plgpu.copy_gmem_to_smem(
+            pool_ref.at[page, rows, kv_head, :], dst.at[pl.ds(i * copy_rows, copy_rows)], bar
+        )
+
+
 def issue_pages(
     pool_ref,
     pt_ref,
@@ -87,43 +124,45 @@ def issue_pages(
     hi_blk,
     max_blocks,
 ):
-    """TMA-loads tokens [step * T, (step + 1) * T) of role (0 K, 1 V) into ring[slot].
-
-    Blocks outside [lo_blk, hi_blk) are never read: such a part of a step re-reads an in-range
-    page (its logits are masked), so BAD and out-of-window pages stay untouched.
-    """
-    pages_per_step = max(1, block_kv // page_size)
-    copy_rows = min(block_kv, page_size)
-    tok0 = step * block_kv
-    for i in range(pages_per_step):
-        if block_kv >= page_size:
-            blk = step * pages_per_step + i
-            rows = slice(None)
-        else:
-            blk = tok0 // page_size
-            # Tiled SMEM needs tile-aligned GMEM offsets; the offset is a multiple of T.
-            rows = pl.ds(pl.multiple_of(tok0 % page_size, block_kv), copy_rows)
-        blk = jnp.minimum(jnp.clip(blk, lo_blk, hi_blk - 1), max_blocks - 1)
-        page = jnp.maximum(pt_ref[b, role, blk], 0)
-        plgpu.copy_gmem_to_smem(
-            pool_ref.at[page, rows, kv_head, :],
-            ring.at[slot, pl.ds(i * copy_rows, copy_rows)],
-            bar.at[slot],
-        )
+    """TMA-loads tokens [step * T, (step + 1) * T) of role (0 K, 1 V) into ring[slot]
+    (`step_pages` then `copy_pages`)."""
+    reads = step_pages(
+        pt_ref,
+        b=b,
+        role=role,
+        step=step,
+        block_kv=block_kv,
+        page_size=page_size,
+        lo_blk=lo_blk,
+        hi_blk=hi_blk,
+        max_blocks=max_blocks,
+    )
+    copy_pages(pool_ref, reads, ring.at[slot], bar.at[slot], kv_head=kv_head)
 
 
-def page_issuer(pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
-    """issue(role, step, slot): `issue_pages` into the K (role 0) or V (role 1) ring.
+class PageIssuer:
+    """issue(role, step, slot): `issue_pages` into the K (role 0) or V (role 1) ring;
+    `reads(role, step)` and `copy(role, reads, slot)` are its two halves.
 
     where: the keyword arguments of `issue_pages` that stay fixed for a CUDA block (b, kv_head,
     block_kv, page_size, lo_blk, hi_blk, max_blocks).
     """
 
-    def issue(role, step, slot):
-        ring, bar = (k_ring, k_bar) if role == 0 else (v_ring, v_bar)
-        issue_pages(pool_ref, pt_ref, ring, bar, slot=slot, role=role, step=step, **where)
+    def __init__(self, pool_ref, pt_ref, k_ring, k_bar, v_ring, v_bar, **where):
+        self.pool_ref, self.pt_ref = pool_ref, pt_ref
+        self.rings = ((k_ring, k_bar), (v_ring, v_bar))
+        self.kv_head = where.pop("kv_head")
+        self.where = where
 
-    return issue
+    def reads(self, role, step):
+        return step_pages(self.pt_ref, role=role, step=step, **self.where)
+
+    def copy(self, role, reads, slot):
+        ring, bar = self.rings[role]
+        copy_pages(self.pool_ref, reads, ring.at[slot], bar.at[slot], kv_head=self.kv_head)
+
+    def __call__(self, role, step, slot):
+        self.copy(role, self.reads(role, step), slot)
 
 
 def ring_prologue(issue, first, n, num_stages):
@@ -140,7 +179,8 @@ def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, mult
     """After local step j (absolute `step`) used `slot` for `role`, loads step + num_stages.
 
     With several warpgroups each arrives on done[slot] and the leader waits for all of them
-    before it reuses the slot; one warpgroup's own program order suffices otherwise.
+    before it reuses the slot; one warpgroup's own program order suffices otherwise. The
+    leader reads the new page ids from GMEM before that wait, so their latency overlaps it.
     """
 
     @pl.when(j + num_stages < n)
@@ -149,9 +189,10 @@ def ring_refill(issue, done, role, *, j, step, slot, n, num_stages, leader, mult
             plgpu.barrier_arrive(done.at[slot])
 
         def reload():
+            reads = issue.reads(role, step + num_stages)
             if multi_wg:
                 plgpu.barrier_wait(done.at[slot])
-            issue(role, step + num_stages, slot)
+            issue.copy(role, reads, slot)
 
         leader(reload)
 
@@ -168,26 +209,31 @@ def softcap_logits(s, softcap):
     return c * jnp.tanh(s / c)
 
 
-def softmax_step(s, valid, m_i, l_i):
-    """Online softmax over one block: s, valid [64, T] (log2 units); m_i, l_i [64].
+def softmax_step(s, valid, m_i, l_i, axis=1):
+    """Online softmax over one block, reducing `axis` (the keys): s, valid [64, T] with
+    axis 1, or [T, N] with axis 0 (keys as rows: the decode kernel's producer schedule), in
+    log2 units; m_i, l_i: one entry per query.
 
     Returns (p, alpha, m_new, l_new); masked entries get p = 0 even in fully masked rows.
     """
+    keep = [1 - axis]  # the query axis, along which the statistics are broadcast
     s = jnp.where(valid, s, MASK_VALUE)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_new = jnp.maximum(m_i, s.max(axis=axis))
     alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, keep))
     p = jnp.where(valid, p, 0.0)
-    l_new = l_i * alpha + p.sum(axis=1)
+    l_new = l_i * alpha + p.sum(axis=axis)
     return p, alpha, m_new, l_new
 
 
-def init_stats(cols):
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(
-        jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-    )
-    l_i = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+def init_stats(cols, rows=ROWS, axis=1):
+    """Zero accumulator [rows, cols] (WGMMA layout) and the softmax statistics m, l: one per
+    row (axis 1: the softmax reduces the columns) or per column (axis 0)."""
+    acc = plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+    stats = cols if axis == 0 else rows
+    layout = plgpu.Layout.WGMMA.reduce(axis)
+    m_i = plgpu.layout_cast(jnp.full((stats,), MASK_VALUE, jnp.float32), layout)
+    l_i = plgpu.layout_cast(jnp.zeros((stats,), jnp.float32), layout)
     return acc, m_i, l_i
 
 

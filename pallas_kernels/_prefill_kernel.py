@@ -71,6 +71,11 @@ class PrefillTuning:
         O * alpha (default True).
     p_smem: P goes to the P V WGMMA through SMEM instead of registers (default False;
         interpret mode always uses SMEM).
+    split_scores: head_dim 512, 16-bit pools (both warpgroups take the same 64 rows, each owns
+        half of O): each warpgroup computes S over its half of head_dim only and the two
+        float32 partials are summed through SMEM (two barriers per step) instead of both
+        computing the whole S (default False; 2/3 of the tensor work and ~3/4 of the SMEM
+        reads per step, `experiments/NOTES.md` v8).
     The defaults are the fastest of the H200 sweeps in `experiments/NOTES.md` (v5, v6).
     """
 
@@ -80,6 +85,7 @@ class PrefillTuning:
     pipeline: bool | None = None
     pv_in_place: bool | None = None
     p_smem: bool | None = None
+    split_scores: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +97,7 @@ class _Config:
     pipeline: bool
     pv_in_place: bool
     p_smem: bool
+    split_scores: bool
 
 
 def _layout(head_dim):
@@ -98,13 +105,14 @@ def _layout(head_dim):
     return (2, 1) if head_dim <= 256 else (1, 2)
 
 
-def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem):
+def _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_in_smem, split=False):
     row_wgs, _ = _layout(head_dim)
     ring = num_stages * 2 * block_kv * head_dim * jnp.dtype(pool_dtype).itemsize
     q = row_wgs * ROWS * (head_dim + 64) * cdtype.itemsize  # WGMMA tile + plain staging
     p = NUM_WGS * ROWS * block_kv * cdtype.itemsize if p_in_smem else 0
     deq = NUM_WGS * 2 * ROWS * 128 * 2 if _checks.is_fp8(pool_dtype) else 0
-    return ring + q + p + deq + 2048
+    exchange = NUM_WGS * ROWS * block_kv * 4 if split else 0  # float32 partial S
+    return ring + q + p + deq + exchange + 2048
 
 
 def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
@@ -128,12 +136,20 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     # 64, the most that fits).
     p_smem = False if tuning.p_smem is None else tuning.p_smem
     p_smem = p_smem or interpret is not None  # the interpreter's WGMMA reads A from SMEM only
+    split = bool(tuning.split_scores)
+    if split and (_layout(head_dim)[1] != 2 or fp8):
+        raise ValueError(
+            f"split_scores needs head_dim 512 (two warpgroups on one 64-row tile) and a 16-bit "
+            f"pool, got head_dim {head_dim}, pool {jnp.dtype(pool_dtype)}"
+        )
     num_stages = tuning.num_stages
     if num_stages is None:
-        two_fit = _smem_bytes(head_dim, block_kv, 2, pool_dtype, cdtype, p_smem) <= pc.SMEM_LIMIT
+        two_fit = (
+            _smem_bytes(head_dim, block_kv, 2, pool_dtype, cdtype, p_smem, split) <= pc.SMEM_LIMIT
+        )
         # fp8 dequantises K on the CUDA cores before its WGMMA: nothing to overlap.
         num_stages = 2 if head_dim >= 256 and two_fit and not fp8 else 1
-    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem)
+    need = _smem_bytes(head_dim, block_kv, num_stages, pool_dtype, cdtype, p_smem, split)
     if num_stages < 1 or need > pc.SMEM_LIMIT:
         raise ValueError(
             f"prefill kernel needs {need} bytes of shared memory (head_dim={head_dim}, "
@@ -151,6 +167,7 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
         pipeline=flag(tuning.pipeline, num_stages >= 2),
         pv_in_place=flag(tuning.pv_in_place, True),
         p_smem=p_smem,
+        split_scores=split,
     )
 
 
@@ -179,13 +196,16 @@ def work_list(q_starts, rows_per_block, num_work):
     return jnp.stack([b.astype(jnp.int32), tile.astype(jnp.int32), (w < total).astype(jnp.int32)])
 
 
-def _issue_qk(s_ref, q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv):
-    """S = Q K^T into the zeroed accumulator s_ref: q_tile [64, D], k_tile [T, D] (SMEM).
+def _issue_qk(s_ref, q_tile, k_tile, deq, *, fp8, cdtype, head_dim, block_kv, cols=None):
+    """S = Q K^T into the zeroed accumulator s_ref: q_tile [64, D], k_tile [T, D] (SMEM);
+    with `cols` (bf16/f16 only) the contraction over those columns of D only.
 
     bf16/f16: one WGMMA, left in flight (the caller's read of s_ref waits for it). fp8: each
     64 x 128 chunk of K is dequantised to `deq` on the CUDA cores and waited for.
     """
     if not fp8:
+        if cols is not None:
+            q_tile, k_tile = q_tile.at[:, cols], k_tile.at[:, cols]
         plgpu.wgmma(s_ref, q_tile, k_tile.transpose((1, 0)))
         return
     for r in range(block_kv // ROWS):
@@ -251,6 +271,7 @@ def _prefill_jit(
     cfg = _pick(head_dim, page_size, pool.dtype, tuning, interpret)
     cdtype, BK, num_stages = cfg.cdtype, cfg.block_kv, cfg.num_stages
     p_in_smem = cfg.p_smem
+    split_scores = cfg.split_scores
     pv_in_place = cfg.pv_in_place and interpret is None  # the interpreter has no run_state
     row_wgs, col_wgs = _layout(head_dim)
     rows_per_block = ROWS * row_wgs
@@ -318,13 +339,27 @@ def _prefill_jit(
             pl.when(wg == 0)(fn)
 
         def main(
-            q_raw, q_smem, k_ring, v_ring, p_smem, deq, q_bar, q_ready, k_bar, v_bar, k_done, v_done
+            q_raw,
+            q_smem,
+            k_ring,
+            v_ring,
+            p_smem,
+            deq,
+            exchange,
+            q_bar,
+            q_ready,
+            k_bar,
+            v_bar,
+            k_done,
+            v_done,
+            s_full,
+            s_free,
         ):
             q_tile = q_smem.at[r_wg]
             p_tile = p_smem.at[wg] if p_in_smem else None
             k_deq, v_deq = (deq.at[wg, 0], deq.at[wg, 1]) if fp8 else (None, None)
 
-            issue = pc.page_issuer(
+            issue = pc.PageIssuer(
                 pool_ref,
                 pt_ref,
                 k_ring,
@@ -387,7 +422,22 @@ def _prefill_jit(
                     cdtype=cdtype,
                     head_dim=head_dim,
                     block_kv=BK,
+                    cols=pl.ds(col0, dv) if split_scores else None,
                 )
+
+            def exchange_scores(s_own):
+                """split_scores: S = both warpgroups' partials. Each posts its half in SMEM and
+                adds the other's; float addition commutes, so both get the same S bit for bit
+                (and the same softmax). s_free: the other warpgroup has read my last half."""
+                if not split_scores:
+                    return s_own
+                plgpu.barrier_wait(s_free)
+                exchange.at[wg][...] = s_own
+                plgpu.barrier_arrive(s_full)
+                plgpu.barrier_wait(s_full)
+                other = plgpu.load(exchange.at[1 - wg], layout=plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(s_free)
+                return s_own + other
 
             def sync_scores(j):
                 """S of local step j, waited for; releases its K slot."""
@@ -400,7 +450,7 @@ def _prefill_jit(
 
                 s = pl.run_scoped(run, plgpu.ACC((ROWS, BK), jnp.float32))
                 refill(k_done, 0, j=j, step=first + j, slot=slot)
-                return s
+                return exchange_scores(s)
 
             def softmax_pv(j, s, acc, m_i, l_i, masked):
                 """Softmax of local step j's raw S, then O = O * alpha + P V; releases V."""
@@ -472,13 +522,15 @@ def _prefill_jit(
                     out = softmax_pv(j, s, acc, m_i, l_i, masked)
                     return *out, s_ref[...]
 
-                carry = pl.run_scoped(run, plgpu.ACC((ROWS, BK), jnp.float32))
+                *stats, s = pl.run_scoped(run, plgpu.ACC((ROWS, BK), jnp.float32))
                 refill(k_done, 0, j=j + 1, step=first + j + 1, slot=nslot)
-                return carry
+                return *stats, exchange_scores(s)
 
             def loop(lo_, hi_, fn, carry, **kw):
                 return lax.fori_loop(lo_, hi_, functools.partial(fn, **kw), carry)
 
+            if split_scores:
+                plgpu.barrier_arrive(s_free)  # both partial-S buffers start free
             stats = pc.init_stats(dv)
             if not cfg.pipeline:
                 loop(0, e0, skip_step, ())
@@ -486,6 +538,8 @@ def _prefill_jit(
                 stats = loop(e1, e2, step, stats, masked=False)
                 stats = loop(e2, e3, step, stats, masked=True)
                 loop(e3, n, skip_step, ())
+                if split_scores:
+                    plgpu.barrier_wait(s_free)  # the last phase: both halves were read
                 return stats
 
             def piped(stats):
@@ -505,7 +559,10 @@ def _prefill_jit(
                 loop(a3, n, skip_step, ())
                 return stats
 
-            return lax.cond(n > 0, piped, lambda stats: stats, stats)
+            stats = lax.cond(n > 0, piped, lambda stats: stats, stats)
+            if split_scores:
+                plgpu.barrier_wait(s_free)  # the last phase: both halves were read
+            return stats
 
         item = jnp.dtype(pool.dtype)
         p_swizzle = pc.row_swizzle(BK, cdtype)
@@ -524,12 +581,15 @@ def _prefill_jit(
             plgpu.SMEM((NUM_WGS, 2, ROWS, 128), cdtype, transforms=pc.transforms(cdtype))
             if fp8
             else None,
+            plgpu.SMEM((NUM_WGS, ROWS, BK), jnp.float32) if split_scores else None,
             plgpu.Barrier(num_barriers=row_wgs),
             plgpu.Barrier(num_arrivals=NUM_WGS),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
             done,
             done,
+            plgpu.Barrier(num_arrivals=NUM_WGS) if split_scores else None,
+            plgpu.Barrier(num_arrivals=NUM_WGS) if split_scores else None,
             collective_axes="wg",
         )
         v_mult = scales_ref[1]

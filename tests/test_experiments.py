@@ -1,4 +1,5 @@
-"""Smoke tests of experiments/kv_memory.py and experiments/walkthrough.py at tiny sizes.
+"""Smoke tests of experiments/kv_memory.py, experiments/walkthrough.py and the preset mode of
+experiments/bench_kernels.py at tiny sizes.
 
 The scripts are loaded from their files (nothing imports `experiments` as a package). Oracles:
 the gemma configs' own bytes per token (full mode), hand-computed slot counts, the DESIGN.md
@@ -35,6 +36,7 @@ def _load(name: str):
 
 kv_memory = _load("kv_memory")
 walkthrough = _load("walkthrough")
+bench_kernels = _load("bench_kernels")
 
 
 # ----------------------------------------------------------------------------- kv_memory
@@ -173,3 +175,37 @@ def test_walkthrough_worked_example_is_design_table():
     assert "| 1 | 44/45 | 46/47 | 42/43 | 56/57 | 58/59 |" in walkthrough.format_worked_example(
         pages
     )
+
+
+# ----------------------------------------------------------------------------- bench_kernels
+
+
+def test_bench_kernels_presets_quick(tmp_path, monkeypatch, capsys):
+    """`--presets --quick`: every section runs (reference implementation, tiny sizes) and
+    each record names its geometry and the presets that use it, as the H200 run's will."""
+    out = tmp_path / "presets.json"
+    monkeypatch.setattr(sys, "argv", ["bench_kernels", "--presets", "--quick", "--out", str(out)])
+    bench_kernels.main()
+    res = json.loads(out.read_text())
+    records = res["records"]
+    assert [r for r in records if "error" in r] == []
+    assert {r["kernel"] for r in records} == {"decode", "prefill", "kv_write"}
+    geometries = {g.id: g.presets for g in gemma.configs.attention_geometries()}
+    for r in records:
+        ids = r.get("geometries", [r["geometry"]])  # kv_write: every geometry of its row
+        assert sorted(r["preset"]) == sorted({p for i in ids for p in geometries[i]}), r
+    decode = [r for r in records if r["kernel"] == "decode"]
+    assert {r["case"] for r in decode} == {
+        "full",
+        "sliding_at_full_context",
+        "sliding_window",
+        "fp8_vs_bf16",
+    }
+    assert any("ratio_to_bf16" in r for r in decode if r["shape"]["dtype"] == "float8_e4m3fn")
+    assert all(
+        "ratio_to_d256" in r
+        for r in records
+        if r["kernel"] == "prefill" and r["shape"]["head_dim"] == 512
+    )
+    assert res["versions"]["jax"] and res["copy_tbs"] > 0 and res["sources_sha256"]
+    assert "q8kv1d512-full" in capsys.readouterr().out

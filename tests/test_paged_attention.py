@@ -246,18 +246,42 @@ def test_validation_errors():
             q, pool, pt, kv, scale=1.0, implementation="reference", pages_per_step=2
         )
     # 32 or a multiple of 64 (96 would reach WGMMA with K = 96 at a 128-byte swizzle).
+    pallas = dict(scale=1.0, implementation="pallas")
     with pytest.raises(ValueError, match="32 or a multiple of 64, got 96"):
-        paged_decode_attention(q, pool, pt, kv, scale=1.0, implementation="pallas", block_kv=96)
+        paged_decode_attention(q, pool, pt, kv, **pallas, schedule="lockstep", block_kv=96)
+    fp8_pool = pool.astype(jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="a multiple of 64, got 32"):
-        paged_decode_attention(
-            q,
-            pool.astype(jnp.float8_e4m3fn),
-            pt,
-            kv,
-            scale=1.0,
-            implementation="pallas",
-            block_kv=32,
+        paged_decode_attention(q, fp8_pool, pt, kv, **pallas, schedule="lockstep", block_kv=32)
+    # The producer schedule's S^T has block_kv rows: WGMMA M, a multiple of 64.
+    with pytest.raises(ValueError, match="a multiple of 64, got 32"):
+        paged_decode_attention(q, pool, pt, kv, **pallas, schedule="producer", block_kv=32)
+    with pytest.raises(ValueError, match="split_scores needs head_dim 512"):
+        ragged_paged_attention(
+            q, pool, pt, jnp.array([0, 1, 2], jnp.int32), kv, **pallas, split_scores=True
         )
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        paged_decode_attention(q, pool, pt, kv, **pallas, schedule="warp")
+    with pytest.raises(ValueError, match="num_stages must be >= 2 for the producer"):
+        paged_decode_attention(q, pool, pt, kv, **pallas, schedule="producer", num_stages=1)
+    with pytest.raises(ValueError, match="fp8_scores applies to fp8 pools only"):
+        paged_decode_attention(q, pool, pt, kv, **pallas, fp8_scores="split_q")
+    with pytest.raises(ValueError, match="fp8_scores must be one of"):
+        paged_decode_attention(q, fp8_pool, pt, kv, **pallas, fp8_scores="e5m2")
+    with pytest.raises(ValueError, match="fp8_scores applies to the producer schedule only"):
+        paged_decode_attention(
+            q, fp8_pool, pt, kv, **pallas, schedule="lockstep", fp8_scores="dequant"
+        )
+    # O^T [head_dim, N] in registers: N * head_dim <= 16384 (a group of 64 at head_dim 512
+    # takes the lockstep schedule by default).
+    sds = jax.ShapeDtypeStruct
+    big = (sds((2, 64, 512), jnp.bfloat16), sds((8, 16, 1, 512), jnp.bfloat16))
+    with pytest.raises(ValueError, match="N=64 .group 64. x head_dim 512"):
+        jax.eval_shape(
+            lambda q, p: paged_decode_attention(q, p, pt, kv, **pallas, schedule="producer"),
+            *big,
+        )
+    with _checks.force_compiled():
+        jax.eval_shape(lambda q, p: paged_decode_attention(q, p, pt, kv, **pallas), *big)
 
 
 # --------------------------------------------------------------------------- Pallas kernels
@@ -284,6 +308,7 @@ def _pallas(case, *, decode, **kw):
 
 DECODE_CASES = {
     # name: (kv_lens, Hq, Hkv, D, page_size, pool dtype, window, softcap, tuning)
+    # Cases without a `schedule` run with both schedules (`test_decode_kernel`).
     "d128_g4": ([37, 0, 70, 16], 8, 2, 128, 16, jnp.bfloat16, None, None, {}),
     "d256_g2_window_softcap_split": (
         [90, 1, 64],
@@ -339,7 +364,7 @@ DECODE_CASES = {
         jnp.bfloat16,
         None,
         None,
-        {"block_kv": 32, "num_stages": 3},
+        {"block_kv": 32, "num_stages": 3, "schedule": "lockstep"},
     ),
     "d256_g4_block32_page16_split": (
         [97, 200],
@@ -350,7 +375,7 @@ DECODE_CASES = {
         jnp.bfloat16,
         90,
         None,
-        {"block_kv": 32, "num_splits": 2},
+        {"block_kv": 32, "num_splits": 2, "schedule": "lockstep"},
     ),
     "fp8_d128_g1_window": (
         [100, 33],
@@ -363,16 +388,100 @@ DECODE_CASES = {
         None,
         {"num_splits": 3},
     ),
+    # Producer schedule (`DecodeTuning.schedule`): the Gemma 4 12B full-layer group of 16
+    # (N = 16) at head_dim 512 with 4 pages per step; odd and even ring slot counts (K and V
+    # of a step in any pair of slots); a context shorter than the ring (the prologue fills
+    # part of it); 128-token steps over 8 pages; fp8 with split queries and with K
+    # dequantised; a float32 q (O^T stored as [D, N], transposed by the wrapper).
+    "p_d512_g16_page16_split": (
+        [200, 65, 1],
+        16,
+        1,
+        512,
+        16,
+        jnp.bfloat16,
+        None,
+        None,
+        {"schedule": "producer", "num_splits": 2},
+    ),
+    "p_d256_g2_5slots_window": (
+        [400, 7, 129],
+        4,
+        2,
+        256,
+        32,
+        jnp.bfloat16,
+        150,
+        None,
+        {"schedule": "producer", "num_stages": 5},
+    ),
+    "p_d128_g4_block128_page16_2slots": (
+        [300, 128, 129],
+        8,
+        2,
+        128,
+        16,
+        jnp.bfloat16,
+        None,
+        15.0,
+        {"schedule": "producer", "block_kv": 128, "num_stages": 2},
+    ),
+    "p_fp8_d512_g8_split_q": (
+        [150, 64, 0],
+        8,
+        1,
+        512,
+        32,
+        jnp.float8_e4m3fn,
+        None,
+        None,
+        {"schedule": "producer", "fp8_scores": "split_q", "num_splits": 2},
+    ),
+    "p_fp8_d256_g4_dequant_window": (
+        [200, 30],
+        8,
+        2,
+        256,
+        64,
+        jnp.float8_e4m3fn,
+        100,
+        None,
+        {"schedule": "producer", "fp8_scores": "dequant"},
+    ),
+    "p_fp8_d128_g2_page16_f32q": (
+        [180, 1, 77],
+        4,
+        2,
+        128,
+        16,
+        jnp.float8_e4m3fn,
+        None,
+        None,
+        {"schedule": "producer", "q_dtype": jnp.float32},
+    ),
 }
 
 
+def _decode_params():
+    """(name, schedule) pairs: pinned cases once, the others under both schedules."""
+    out = []
+    for name in sorted(DECODE_CASES):
+        pinned = DECODE_CASES[name][-1].get("schedule")
+        out += [(name, s) for s in (pinned,) if pinned] or [
+            (name, s) for s in ("producer", "lockstep")
+        ]
+    return out
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", sorted(DECODE_CASES))
-def test_decode_kernel(name, mode):
+@pytest.mark.parametrize("name,schedule", _decode_params())
+def test_decode_kernel(name, schedule, mode):
     kv_lens, hq, hkv, d, ps, dtype, window, softcap, tuning = DECODE_CASES[name]
+    tuning = dict(tuning, schedule=schedule)
+    q_dtype = tuning.pop("q_dtype", jnp.bfloat16)
     fp8 = dtype == jnp.float8_e4m3fn
     case = _testing.make_case(
-        sorted(DECODE_CASES).index(name),
+        sorted(DECODE_CASES).index(name) + (100 if schedule == "producer" else 0),
         q_lens=[min(n, 1) for n in kv_lens],
         kv_lens=kv_lens,
         num_q_heads=hq,
@@ -380,6 +489,7 @@ def test_decode_kernel(name, mode):
         head_dim=d,
         page_size=ps,
         pool_dtype=dtype,
+        q_dtype=q_dtype,
         window=window,
         decode=True,
         k_scale=0.3 if fp8 else 1.0,
@@ -388,11 +498,13 @@ def test_decode_kernel(name, mode):
     )
     with _mode_ctx(mode):
         got = _pallas(case, decode=True, scale=d**-0.5, window=window, softcap=softcap, **tuning)
+    assert got.dtype == q_dtype
     want = dense_oracle(case, scale=d**-0.5, window=window, softcap=softcap, decode=True)
     _check(got, want, jnp.bfloat16)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["producer", "lockstep"])
 @pytest.mark.parametrize(
     "d,hq,hkv,ps,dtype,window,splits",
     [
@@ -404,9 +516,12 @@ def test_decode_kernel(name, mode):
         (512, 8, 1, 32, jnp.float8_e4m3fn, None, None),
         (512, 8, 2, 32, jnp.bfloat16, 1000, None),
         (256, 8, 4, 16, jnp.bfloat16, None, 3),
+        (512, 16, 1, 16, jnp.bfloat16, None, None),
+        (512, 32, 4, 32, jnp.float8_e4m3fn, None, 2),
+        (128, 32, 8, 32, jnp.float8_e4m3fn, None, None),
     ],
 )
-def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
+def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits, schedule):
     kv_lens = [1, 3000, 517, 2048, 0, 4097]
     case = _testing.make_case(
         d + ps,
@@ -423,9 +538,21 @@ def test_decode_kernel_gpu_long(d, hq, hkv, ps, dtype, window, splits):
         k_scale=0.5,
         v_scale=0.25,
     )
-    got = _pallas(case, decode=True, scale=d**-0.5, window=window, num_splits=splits)
     want = dense_oracle(case, scale=d**-0.5, window=window, decode=True)
-    _check(got, want, jnp.bfloat16)
+    variants = [{}]
+    if schedule == "producer" and dtype == jnp.float8_e4m3fn:
+        variants = [dict(fp8_scores="split_q"), dict(fp8_scores="dequant")]
+    for extra in variants:
+        got = _pallas(
+            case,
+            decode=True,
+            scale=d**-0.5,
+            window=window,
+            num_splits=splits,
+            schedule=schedule,
+            **extra,
+        )
+        _check(got, want, jnp.bfloat16)
 
 
 PREFILL_CASES = {
@@ -578,6 +705,35 @@ PREFILL_KNOB_CASES = {
         None,
         dict(block_kv=32, num_stages=2),
     ),
+    # split_scores: each warpgroup contracts S over its half of head_dim (partials summed
+    # through SMEM), pipelined (the default two 32-key stages) and unpipelined; ragged rows,
+    # a window and a soft-cap.
+    "d512_ps32_split_scores_window_softcap": (
+        [70, 1, 0, 40],
+        [200, 33, 5, 40],
+        120,
+        2,
+        1,
+        512,
+        32,
+        jnp.bfloat16,
+        90,
+        25.0,
+        dict(split_scores=True),
+    ),
+    "d512_ps64_split_scores_nopipe": (
+        [66, 3],
+        [130, 70],
+        72,
+        2,
+        2,
+        512,
+        64,
+        jnp.bfloat16,
+        None,
+        None,
+        dict(split_scores=True, block_kv=32, num_stages=2, pipeline=False),
+    ),
     "d128_ps16_block32_nosplit": (
         [50, 20],
         [120, 20],
@@ -655,6 +811,8 @@ def test_prefill_knobs_lower_for_gpu():
         (256, jnp.bfloat16, dict(block_kv=64, num_stages=2, p_smem=True)),
         (512, jnp.bfloat16, dict(pipeline=True)),
         (512, jnp.bfloat16, dict(block_kv=32, num_stages=2)),
+        (512, jnp.bfloat16, dict(split_scores=True)),
+        (512, jnp.bfloat16, dict(split_scores=True, pipeline=False, pv_in_place=False)),
         (128, jnp.bfloat16, dict(block_kv=32, num_stages=3, p_smem=False)),
         (128, jnp.float8_e4m3fn, dict(num_stages=2)),
     ]:
@@ -676,33 +834,86 @@ def test_decode_split_count_counts_waves():
     assert pick_splits(2, 264, 3, 264) == 3
 
 
-def test_decode_lowers_for_gpu():
-    """The decode kernel's compiled form (P in registers below head_dim 256, 32-token steps
-    with a 64-byte-swizzled P tile at head_dim 512) lowers to a Mosaic GPU module on CPU."""
+def _lower_decode(hq, hkv, d, dtype, ps, *, window=None, q_dtype=jnp.bfloat16, **tuning):
+    """The decode call lowered for CUDA on CPU (the whole Mosaic GPU lowering: TMA boxes,
+    shared-memory limit; not ptxas)."""
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((4, hq, d), q_dtype),
+        sds((64, ps, hkv, d), dtype),
+        sds((4, 2, 32), jnp.int32),
+        sds((4,), jnp.int32),
+    )
+    scales = {}
+    if dtype == jnp.float8_e4m3fn:
+        scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25))
 
-    def lower(d, dtype, ps, **tuning):
-        sds = jax.ShapeDtypeStruct
-        args = (
-            sds((2, 8, d), jnp.bfloat16),
-            sds((40, ps, 2, d), dtype),
-            sds((2, 2, 16), jnp.int32),
-            sds((2,), jnp.int32),
+    def f(*a):
+        return paged_decode_attention(
+            *a, scale=0.1, window=window, implementation="pallas", **scales, **tuning
         )
 
-        def f(*a):
-            return paged_decode_attention(*a, scale=0.1, implementation="pallas", **tuning)
+    with _checks.force_compiled():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-        with _checks.force_compiled():
-            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
+def test_decode_lowers_for_gpu():
+    """The lockstep schedule's compiled form (P in registers below head_dim 256, 32-token
+    steps with a 64-byte-swizzled P tile at head_dim 512) and the producer schedule's
+    variants the interpreter cannot run (O^T accumulated in place) lower on CPU."""
     for d, dtype, ps, tuning in [
-        (512, jnp.bfloat16, 32, {}),
-        (512, jnp.bfloat16, 64, dict(block_kv=64, num_splits=2)),
-        (512, jnp.float8_e4m3fn, 32, {}),
-        (128, jnp.bfloat16, 64, dict(block_kv=32, num_stages=4)),
-        (256, jnp.bfloat16, 16, dict(block_kv=32, num_splits=2)),
+        (512, jnp.bfloat16, 32, dict(schedule="lockstep")),
+        (512, jnp.bfloat16, 64, dict(schedule="lockstep", block_kv=64, num_splits=2)),
+        (512, jnp.float8_e4m3fn, 32, dict(schedule="lockstep")),
+        (128, jnp.bfloat16, 64, dict(schedule="lockstep", block_kv=32, num_stages=4)),
+        (256, jnp.bfloat16, 16, dict(schedule="lockstep", block_kv=32, num_splits=2)),
+        (256, jnp.bfloat16, 16, dict(schedule="producer", block_kv=128, num_stages=2)),
+        (256, jnp.float8_e4m3fn, 64, dict(schedule="producer", fp8_scores="dequant")),
+        (512, jnp.bfloat16, 16, dict(schedule="producer", q_dtype=jnp.float32)),  # O^T out
+        (128, jnp.bfloat16, 32, dict(schedule="producer", block_kv=64, num_stages=8, num_splits=3)),
     ]:
-        assert "mosaic_gpu" in lower(d, dtype, ps, **tuning), (d, dtype, tuning)
+        assert "mosaic_gpu" in _lower_decode(8, 2, d, dtype, ps, **tuning), (d, dtype, tuning)
+
+
+def _distinct_decode_geometries():
+    """One preset geometry per (head_dim, group, window or not): what the decode kernel's code
+    depends on (`gemma.configs.attention_geometries`)."""
+    from gemma import configs
+
+    seen = {}
+    for g in configs.attention_geometries():
+        seen.setdefault((g.head_dim, g.group, g.window is None), g)
+    return list(seen.values())
+
+
+DECODE_GEOMETRIES = _distinct_decode_geometries()
+
+
+@pytest.mark.parametrize(
+    "geometry", DECODE_GEOMETRIES, ids=[f"{g.id}-{'+'.join(g.presets)}" for g in DECODE_GEOMETRIES]
+)
+def test_decode_schedules_lower_at_preset_geometries(geometry):
+    """Both schedules with bf16 and fp8 pools, the producer schedule split and unsplit, at
+    every preset attention geometry, lower for CUDA with their other knobs at the defaults
+    (`tests/test_preset_lowering.py` lowers the default schedule at pages of 16, 32, 64)."""
+    g = geometry
+    variants = [
+        (dtype, 32, schedule, splits)
+        for dtype in (jnp.bfloat16, jnp.float8_e4m3fn)
+        for schedule, splits in (("producer", 1), ("producer", 3), ("lockstep", None))
+    ]
+    for dtype, ps, schedule, splits in variants:
+        text = _lower_decode(
+            g.num_q_heads,
+            g.num_kv_heads,
+            g.head_dim,
+            dtype,
+            ps,
+            window=g.window,
+            schedule=schedule,
+            num_splits=splits,
+        )
+        assert "mosaic_gpu" in text, (g, dtype, ps, schedule, splits)
 
 
 @pytest.mark.gpu
