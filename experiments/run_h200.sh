@@ -22,7 +22,7 @@ for stage in "$@"; do
   case $stage in
     gpu-tests)
       XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
-        python3 -m pytest -m gpu -q -x -n 4 -p no:cacheprovider tests/ ;;
+        python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rfE tests/ ;;
     gpu-tests-serial)
       run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ;;
     kernels)
