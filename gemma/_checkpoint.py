@@ -179,6 +179,18 @@ class _Entry(NamedTuple):
     var: nnx.Variable
     to_model: Callable  # HF array -> the Variable's layout
     to_hf: Callable  # the Variable's layout -> HF array (its half for gate_up_proj)
+    index: int | None = None  # the layer's index along a stacked Variable's leading axis
+
+    @property
+    def var_shape(self) -> tuple[int, ...]:
+        """The shape of this entry's part of the Variable (one layer of a stacked Variable)."""
+        shape = tuple(self.var.shape)
+        return shape if self.index is None else shape[1:]
+
+    def value(self) -> np.ndarray:
+        """The entry's part of the Variable, on the host."""
+        value = self.var[...]
+        return np.asarray(value if self.index is None else value[self.index])
 
 
 def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
@@ -197,8 +209,10 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
     def same(w):
         return w
 
+    index = None  # the current layer's index in its stacked Variables
+
     def add(name, shape, var, to_model=same, to_hf=same):
-        entries.append(_Entry(name, tuple(shape), var, to_model, to_hf))
+        entries.append(_Entry(name, tuple(shape), var, to_model, to_hf, index))
 
     add("embed_tokens.weight", (c.vocab_size, d), model.embedding)
     add("norm.weight", (d,), model.final_norm.scale)
@@ -218,7 +232,8 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
             (c.per_layer_input_dim,),
             model.per_layer_projection_norm.scale,
         )
-    for i, layer in enumerate(model.layers):
+    for i in range(c.num_layers):
+        layer, index = model.layer_block(i)
         p = f"layers.{i}."
         t = c.layer_types[i]
         n, h, kv = c.num_heads, c.type_head_dim(t), c.type_num_kv_heads(t)
@@ -303,6 +318,7 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
             add(p + "post_per_layer_input_norm.weight", (d,), layer.post_per_layer_input_norm.scale)
         if layer.layer_scalar is not None:
             add(p + "layer_scalar", (1,), layer.layer_scalar)
+    index = None
     if not c.tie_word_embeddings:
         add("/lm_head.weight", (c.vocab_size, d), model.lm_head, transpose, transpose)
     return entries
@@ -318,7 +334,9 @@ def _text_prefix(tensors: _SafetensorsIndex) -> str:
     )
 
 
-def abstract_model(config, dtype, param_dtype=None, moe_implementation="ragged") -> Transformer:
+def abstract_model(
+    config, dtype, param_dtype=None, moe_implementation="ragged", scan_layers=True
+) -> Transformer:
     """The model with jax.ShapeDtypeStruct leaves (nothing allocated); param_dtype: dtype."""
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
     return nnx.eval_shape(
@@ -328,6 +346,7 @@ def abstract_model(config, dtype, param_dtype=None, moe_implementation="ragged")
             dtype=dtype,
             param_dtype=param_dtype,
             moe_implementation=moe_implementation,
+            scan_layers=scan_layers,
         )
     )
 
@@ -354,7 +373,13 @@ def _unused_tensors(tensors, used: set[str], prefix: str, architecture: str) -> 
 
 
 def from_pretrained(
-    path, dtype=jnp.float32, *, param_dtype=None, moe_implementation="ragged", strict=True
+    path,
+    dtype=jnp.float32,
+    *,
+    param_dtype=None,
+    moe_implementation="ragged",
+    strict=True,
+    scan_layers=True,
 ) -> Transformer:
     """A `Transformer` loaded from a Hugging Face checkpoint directory.
 
@@ -366,6 +391,8 @@ def from_pretrained(
       strict: tensors of the text model that the config does not use (e.g. layers beyond
         num_hidden_layers) are an error; False loads what the config uses and ignores them.
         The vision / audio tensors of multimodal checkpoints are never an error.
+      scan_layers: see `Transformer`; the layers of each repeating run are stacked while
+        loading (one host-to-device copy per stacked array).
 
     Raises:
       ValueError: a missing or malformed config.json, index or safetensors file (named),
@@ -377,7 +404,7 @@ def from_pretrained(
     architecture = _architecture(hf_config, directory / "config.json")
     tensors = _SafetensorsIndex(directory)
     prefix = _text_prefix(tensors)
-    model = abstract_model(config, dtype, param_dtype, moe_implementation)
+    model = abstract_model(config, dtype, param_dtype, moe_implementation, scan_layers)
     param_dtype = model.param_dtype
     entries = _hf_layout(config, model)
     lm_head = next((n for n in _LM_HEAD_NAMES if n in tensors), _LM_HEAD_NAMES[0])
@@ -425,10 +452,17 @@ def from_pretrained(
             f"{len(unused)} tensors in {str(directory)!r} are not used by its config{hint}: "
             f"{_summarise(unused)}; pass strict=False to load anyway"
         )
+    stacked: dict[int, list] = {}  # id(var) -> [var, {index: array}] of stacked Variables
     for e in entries:
         array = e.to_model(tensors.get(full_name(e.name)))
-        assert array.shape == e.var.shape, (e.name, array.shape, e.var.shape)
-        e.var.set_value(jnp.asarray(array, dtype=param_dtype))
+        assert array.shape == e.var_shape, (e.name, array.shape, e.var_shape)
+        if e.index is None:
+            e.var.set_value(jnp.asarray(array, dtype=param_dtype))
+            continue
+        rows = stacked.setdefault(id(e.var), [e.var, {}])[1]
+        rows[e.index] = np.asarray(array, dtype=param_dtype)
+        if len(rows) == e.var.shape[0]:  # the run's last layer: one host -> device copy
+            e.var.set_value(jnp.asarray(np.stack([rows.pop(k) for k in sorted(rows)])))
     leftover = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -460,7 +494,7 @@ def save_pretrained(model: Transformer, path, *, overwrite: bool = False) -> Non
     tensors: dict[str, list[np.ndarray]] = {}
     for e in _hf_layout(model.config, model):
         name = e.name[1:] if e.name.startswith("/") else "model." + e.name
-        tensors.setdefault(name, []).append(np.asarray(e.to_hf(np.asarray(e.var[...]))))
+        tensors.setdefault(name, []).append(np.asarray(e.to_hf(e.value())))
     arrays = {
         name: np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
         for name, parts in tensors.items()
@@ -613,6 +647,7 @@ def restore_params(
     dtype=jnp.float32,
     param_dtype=None,
     moe_implementation="ragged",
+    scan_layers=None,
 ) -> Transformer:
     """A `Transformer` with the parameters saved by `save_params` at `path`.
 
@@ -622,6 +657,7 @@ def restore_params(
         (the given model is not modified). A config (given or the model's) other than the
         stored one is an error.
       dtype, param_dtype, moe_implementation: of the model built from a config.
+      scan_layers: of the model built from a config (see `Transformer`); None: as saved.
 
     Raises:
       ValueError: no checkpoint or no stored config at `path`, a config other than the
@@ -643,7 +679,14 @@ def restore_params(
         )
     elif isinstance(config_or_model, TransformerConfig):
         given = config_or_model
-        abstract = abstract_model(config_or_model, dtype, param_dtype, moe_implementation)
+        saved_scanned = _saved_scan_layers(path, config_or_model)
+        abstract = abstract_model(
+            config_or_model,
+            dtype,
+            param_dtype,
+            moe_implementation,
+            saved_scanned if scan_layers is None else scan_layers,
+        )
         graphdef, abstract_state = nnx.split(abstract)
     else:
         raise TypeError(
@@ -684,6 +727,24 @@ def restore_params(
     except Exception as e:  # Orbax re-raises tensorstore read errors as a bare Exception
         raise ValueError(f"cannot read the Orbax checkpoint data in {params_dir!r}: {e}") from e
     return nnx.merge(graphdef, state)
+
+
+def _saved_scan_layers(path: str, config: TransformerConfig) -> bool:
+    """Whether the checkpoint holds a model with scanned (stacked) layers: its first Block's
+    q_proj has a leading stack axis. Unreadable metadata says True (restore reports it)."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        meta = ocp.StandardCheckpointHandler().metadata(epath.Path(path) / _PARAMS_ITEM)
+    except Exception:  # reported with its file by restore_params
+        return True
+    shapes = _flat_shapes(meta)
+    return shapes.get("blocks/0/0/attn/q_proj", ()) != (
+        config.hidden_size,
+        config.num_heads,
+        config.type_head_dim(config.layer_types[0]),
+    )
 
 
 def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:

@@ -87,6 +87,71 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Consecutive layers that repeat one period: `count` times the `period` layers from `first`.
+
+    A run with count > 1 is executed as a `lax.scan` over its repetitions with stacked
+    parameters (position r of every repetition has the same structure and attention spec); a
+    run with count 1 is unrolled.
+    """
+
+    first: int
+    period: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.period * self.count
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.stop)
+
+    @property
+    def scanned(self) -> bool:
+        return self.count > 1
+
+
+def layer_runs(signatures: tuple, max_period: int = 16) -> tuple[LayerRun, ...]:
+    """Split layers into runs of a repeating period of equal per-layer signatures.
+
+    For each candidate period p the layers are cut greedily (a run as long as the next p
+    signatures repeat the current p, else one unrolled layer); the period that puts the most
+    layers in scanned runs wins (ties: fewer runs, then the shorter period). Consecutive
+    unrolled layers merge into one run of count 1.
+    """
+    n = len(signatures)
+
+    def cut(p):
+        runs, i = [], 0
+        while i < n:
+            k = 1
+            while i + (k + 1) * p <= n and signatures[i + k * p : i + (k + 1) * p] == tuple(
+                signatures[i : i + p]
+            ):
+                k += 1
+            if k >= 2:
+                runs.append(LayerRun(i, p, k))
+                i += k * p
+            elif runs and not runs[-1].scanned:
+                runs[-1] = LayerRun(runs[-1].first, runs[-1].period + 1, 1)
+                i += 1
+            else:
+                runs.append(LayerRun(i, 1, 1))
+                i += 1
+        return tuple(runs)
+
+    best, best_key = (LayerRun(0, n, 1),) if n else (), None
+    for p in range(1, min(max_period, n // 2) + 1):
+        runs = cut(p)
+        scanned = sum(r.period * r.count for r in runs if r.scanned)
+        key = (scanned, -len(runs), -p)
+        if scanned and (best_key is None or key > best_key):
+            best, best_key = runs, key
+    return best
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
     """Architecture of a Gemma 3 or Gemma 4 text model.
@@ -347,6 +412,26 @@ class TransformerConfig:
         # HF: `layer_idx >= first_kv_shared_layer_idx > 0`.
         shared = 0 < self.first_kv_shared_layer <= i
         return self.intermediate_size * (2 if self.use_double_wide_mlp and shared else 1)
+
+    def layer_signature(self, i: int) -> tuple:
+        """What layer i's parameters and attention hook depend on (equal => scannable together).
+
+        Layer type (head geometry, RoPE, window, K=V), MLP width, the writer a KV-shared layer
+        reads, and whether KV-shared layers read this layer's KV (the dense hook keeps it).
+        """
+        source = self.kv_sources[i]
+        read_later = any(s == i for j, s in enumerate(self.kv_sources) if j != i)
+        return (
+            self.layer_types[i],
+            self.mlp_width(i),
+            None if source == i else source,
+            read_later,
+        )
+
+    @functools.cached_property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """The layers cut into runs of a repeating period (`lax.scan` over each run's repeats)."""
+        return layer_runs(tuple(self.layer_signature(i) for i in range(self.num_layers)))
 
     @functools.cached_property
     def layer_specs(self) -> tuple[LayerSpec, ...]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from swajax import LayerSpec
+from swajax import LayerRef, LayerSpec
 
 # Large finite negative for masked logits: exp() underflows to 0 without inf - inf = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -95,16 +95,18 @@ AttentionFn = Callable[..., tuple[jax.Array, object]]
 
 
 def dense_attention_fn(layer_specs: Sequence[LayerSpec]) -> AttentionFn:
-    """The attention hook `fn(i, q, k, v, state) -> (out, state)` over `DenseAttentionState`.
+    """The attention hook `fn(layer, q, k, v, state) -> (out, state)` over `DenseAttentionState`.
 
-    Window, scale and soft-cap of layer i come from `layer_specs[i]`. Layers
-    that write KV keep it in `state.kv` when a KV-shared layer reads it later;
-    KV-shared layers (k = v = None) read their writer's k/v from there.
+    `layer` is a `swajax.LayerRef`; window, scale and soft-cap come from
+    `layer_specs[layer.like]`. Layers that write KV keep it in `state.kv` when a
+    KV-shared layer reads it later; KV-shared layers (k = v = None) read their
+    writer's k/v from there.
     """
     specs = tuple(layer_specs)
     read_later = {spec.kv_source for i, spec in enumerate(specs) if spec.kv_source != i}
 
-    def attention_fn(i, q, k, v, state: DenseAttentionState):
+    def attention_fn(layer: LayerRef, q, k, v, state: DenseAttentionState):
+        i = layer.like  # static facts are the same for every layer of a scanned position
         spec = specs[i]
         if spec.kv_source != i:
             if k is not None or v is not None:
@@ -113,6 +115,8 @@ def dense_attention_fn(layer_specs: Sequence[LayerSpec]) -> AttentionFn:
                 raise ValueError(f"layer {i} reads the KV of layer {spec.kv_source}, not written")
             k, v = state.kv[spec.kv_source]
         elif i in read_later:
+            # A layer whose KV is read later has a signature of its own: never scanned.
+            assert layer.index == i, (layer, i)
             state = dataclasses.replace(state, kv={**state.kv, i: (k, v)})
         out = dense_attention(
             q,

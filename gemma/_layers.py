@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from gemma._config import RopeConfig, TransformerConfig
+from swajax import LayerRef
 
 
 class Buffer(nnx.Variable):
@@ -131,7 +132,8 @@ class Attention(nnx.Module):
             self.k_proj = self.v_proj = self.k_norm = None
         self.value_norm_eps = c.rms_norm_eps if self.gemma4 else None
 
-    def __call__(self, x, positions, attention_fn, attention_state):
+    def __call__(self, x, positions, attention_fn, attention_state, layer=None):
+        """layer: the `swajax.LayerRef` handed to the hook (default: this module's own layer)."""
         x = x.astype(self.dtype)
         inv_freq = _inv_freq(self.rope, self.q_proj.shape[-1])
         q = jnp.einsum(
@@ -151,7 +153,8 @@ class Attention(nnx.Module):
                 v = rms_normalize(v, self.value_norm_eps).astype(v.dtype)
         else:
             k = v = None
-        out, attention_state = attention_fn(self.layer_index, q, k, v, attention_state)
+        layer = LayerRef.of(self.layer_index) if layer is None else layer
+        out, attention_state = attention_fn(layer, q, k, v, attention_state)
         y = jnp.einsum("...tnh,nhd->...td", out, self.o_proj[...].astype(self.dtype))  # [..., T, D]
         return y, attention_state
 
@@ -305,10 +308,10 @@ class Block(nnx.Module):
             self.per_layer_input_gate = None
         self.layer_scalar = Buffer(jnp.ones((1,), param_dtype)) if self.gemma4 else None
 
-    def __call__(self, x, positions, per_layer_input, attention_fn, attention_state):
+    def __call__(self, x, positions, per_layer_input, attention_fn, attention_state, layer=None):
         residual = x
         h, attention_state = self.attn(
-            self.pre_attention_norm(x), positions, attention_fn, attention_state
+            self.pre_attention_norm(x), positions, attention_fn, attention_state, layer
         )
         x = residual + self.post_attention_norm(h)
 

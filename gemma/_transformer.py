@@ -1,11 +1,14 @@
 """`Transformer`: the Gemma 3 / Gemma 4 text model and its attention hook.
 
 `forward(tokens, positions, attention_fn=..., attention_state=...)` runs the
-model with attention delegated to `attention_fn(i, q, k, v, state) -> (out,
-state)` for every layer i (q after q-norm and RoPE, k/v after k-norm, RoPE and
-value norm; k = v = None for KV-shared layers, which read their writer's KV
-through the hook). `model(tokens)` is `forward` with the dense attention of
-`gemma._dense_attention`, the numerical reference of the paged forward.
+model with attention delegated to `attention_fn(layer, q, k, v, state) -> (out,
+state)` for every layer (`layer` a `swajax.LayerRef`: a static layer with the same
+spec, and the layer's own index, traced inside a scanned run; q after q-norm and
+RoPE, k/v after k-norm, RoPE and value norm; k = v = None for KV-shared layers,
+which read their writer's KV through the hook). The layers of each repeating run
+(`config.layer_runs`) run under one `lax.scan` over stacked parameters.
+`model(tokens)` is `forward` with the dense attention of `gemma._dense_attention`,
+the numerical reference of the paged forward.
 
 Tokens come batched (i32[B, T]) or packed (i32[T], the ragged batch of the KV
 pool); positions have the same shape and drive RoPE only.
@@ -15,14 +18,17 @@ Axes: B batch, T tokens, D model width, V vocabulary, L layers, P per-layer-inpu
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gemma._config import TransformerConfig
+from gemma._config import LayerRun, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
 from gemma._layers import Block, RMSNorm, _normal, check_moe_implementation
+from swajax import LayerRef
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -64,6 +70,14 @@ class Transformer(nnx.Module):
       param_dtype: storage dtype of the parameters.
       moe_implementation: 'ragged' (only the chosen experts, `jax.lax.ragged_dot`)
         or 'dense' (every expert, the reference); Gemma 4 MoE configs only.
+      scan_layers: True (default): the layers of each repeating run of `config.layer_runs`
+        are stored stacked (a leading axis of the run's repetitions, built at construction
+        and kept so by `from_pretrained` / `restore_params`) and run under one `lax.scan`,
+        so compile time does not grow with depth. False: one Block per layer, unrolled (the
+        same numbers; the comparison point).
+
+    `blocks[g][r]` is the Block at position r of run `layer_runs[g]`; `layer_block(i)` finds
+    layer i's Block and its index in the stack.
     """
 
     def __init__(
@@ -74,6 +88,7 @@ class Transformer(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         moe_implementation: str = "ragged",
+        scan_layers: bool = True,
     ):
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
@@ -86,8 +101,13 @@ class Transformer(nnx.Module):
         kw = dict(rngs=rngs, dtype=self.dtype, param_dtype=self.param_dtype)
         d = c.hidden_size
         self.embedding = nnx.Param(_normal(rngs, (c.vocab_size, d), self.param_dtype))
-        self.layers = nnx.List(
-            [Block(c, i, **kw, moe_implementation=moe_implementation) for i in range(c.num_layers)]
+        self.scan_layers = bool(scan_layers)
+        self.layer_runs = c.layer_runs if scan_layers else (LayerRun(0, c.num_layers, 1),)
+        self.blocks = nnx.List(
+            [
+                _build_run(run, lambda i: Block(c, i, **kw, moe_implementation=moe_implementation))
+                for run in self.layer_runs
+            ]
         )
         self.final_norm = RMSNorm(
             d, eps=c.rms_norm_eps, plus_one=c.family == "gemma3", param_dtype=self.param_dtype
@@ -135,7 +155,8 @@ class Transformer(nnx.Module):
           tokens: i32[B, T] or packed i32[T]. Ids outside the vocabulary raise
             ValueError when the ids are concrete.
           positions: i32, same shape as tokens.
-          attention_fn: `fn(i, q, k, v, state) -> (out, state)`; q [..., T, N, H],
+          attention_fn: `fn(layer, q, k, v, state) -> (out, state)` with `layer` a
+            `swajax.LayerRef`; q [..., T, N, H],
             k/v [..., T, K, H] or None for KV-shared layers, out [..., T, N, H].
           attention_state: any pytree threaded through the hook.
           logits_indices: optional i32[..., M] token indices (per row) whose logits
@@ -148,9 +169,25 @@ class Transformer(nnx.Module):
         x = jnp.take(embedding, tokens, axis=0) * jnp.asarray(c.embed_scale, embedding.dtype)
         x = x.astype(self.dtype)  # [..., T, D]
         per_layer_inputs = self._per_layer_inputs(tokens, x) if c.has_per_layer_inputs else None
-        for i, layer in enumerate(self.layers):
-            ple = None if per_layer_inputs is None else per_layer_inputs[..., i, :]
-            x, attention_state = layer(x, positions, ple, attention_fn, attention_state)
+        for run, blocks in zip(self.layer_runs, self.blocks, strict=True):
+            ple = (
+                None if per_layer_inputs is None else per_layer_inputs[..., run.first : run.stop, :]
+            )
+            if run.scanned:
+                x, attention_state = _scan_run(
+                    run, blocks, x, positions, ple, attention_fn, attention_state
+                )
+                continue
+            for r, block in enumerate(blocks):
+                i = run.first + r
+                x, attention_state = block(
+                    x,
+                    positions,
+                    None if ple is None else ple[..., r, :],
+                    attention_fn,
+                    attention_state,
+                    LayerRef.of(i),
+                )
         if logits_indices is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_indices)[..., None], axis=-2)
         x = self.final_norm(x)  # [..., T or M, D]
@@ -189,10 +226,104 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------- utils
 
+    def layer_block(self, i: int) -> tuple[Block, int | None]:
+        """(Block, index): layer i's Block and its index along the stacked axis (None unrolled)."""
+        if not 0 <= i < self.config.num_layers:
+            raise ValueError(f"layer {i} is outside [0, {self.config.num_layers})")
+        for run, blocks in zip(self.layer_runs, self.blocks, strict=True):
+            if i in run.layers:
+                c, r = divmod(i - run.first, run.period)
+                return blocks[r], (c if run.scanned else None)
+        raise AssertionError(i)
+
+    def layer_param(self, i: int, name: str) -> jax.Array | None:
+        """Layer i's array `name` (a dotted path in its Block, e.g. "attn.q_proj"), its own
+        slice of a stacked array; None where the layer has none (k_proj of a KV-shared layer)."""
+        var, index = self._layer_variable(i, name)
+        if var is None:
+            return None
+        value = var.get_value()
+        if index is None:
+            return value
+        if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape)
+            return jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+        return value[index]
+
+    def set_layer_param(self, i: int, name: str, value) -> None:
+        """Set layer i's array `name` (see `layer_param`); other layers are unchanged."""
+        var, index = self._layer_variable(i, name)
+        if var is None:
+            raise ValueError(f"layer {i} has no {name!r}")
+        value = jnp.asarray(value, var[...].dtype)
+        var.set_value(value if index is None else var[...].at[index].set(value))
+
+    def _layer_variable(self, i: int, name: str):
+        block, index = self.layer_block(i)
+        obj = block
+        for part in name.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"layer {i} has no {name!r} ({part!r} not found)")
+            obj = getattr(obj, part)
+            if obj is None:
+                return None, index
+        if not isinstance(obj, nnx.Variable):
+            raise ValueError(f"{name!r} of layer {i} is a {type(obj).__name__}, not an array")
+        return obj, index
+
     @property
     def num_params(self) -> int:
         """Number of parameters (nnx.Param leaves; buffers such as layer scalars excluded)."""
         return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
+
+
+def _build_run(run: LayerRun, make_block) -> nnx.List:
+    """The Blocks of one run, built layer by layer in index order (the same random values as
+    unrolled construction). A scanned run's Blocks have every array stacked over the run's
+    repetitions; each layer is written into the stack and dropped before the next is built, so
+    construction holds the model once plus one layer."""
+    if not run.scanned:
+        return nnx.List([make_block(i) for i in run.layers])
+    graphdefs, stacks = [], []
+    for c in range(run.count):
+        for r in range(run.period):
+            graphdef, state = nnx.split(make_block(run.first + c * run.period + r))
+            if c == 0:
+                graphdefs.append(graphdef)
+                stacks.append(
+                    jax.tree.map(lambda x: jnp.zeros((run.count, *x.shape), x.dtype), state)
+                )
+            stacks[r] = jax.tree.map(
+                lambda s, x, c=c: _set_row(s, x, jnp.int32(c)), stacks[r], state
+            )
+    return nnx.List([nnx.merge(g, s) for g, s in zip(graphdefs, stacks, strict=True)])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stack, x, c):
+    return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), c, 0)
+
+
+def _scan_run(run: LayerRun, blocks, x, positions, ple, attention_fn, attention_state):
+    """The run's repetitions under one `lax.scan`: parameters sliced per repetition, the
+    activations and the attention state carried (pool roots update in place)."""
+    graphdef, stacked = nnx.split(blocks)
+    if ple is not None:  # [..., T, run layers, P] -> [count, ..., T, period, P]
+        ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
+        ple = jnp.moveaxis(ple, -3, 0)
+
+    def body(carry, xs):
+        x, state = carry
+        params, c, ple_c = xs
+        for r, block in enumerate(nnx.merge(graphdef, params)):
+            like = run.first + r
+            layer = LayerRef(like, like + c * run.period)
+            p = None if ple_c is None else ple_c[..., r, :]
+            x, state = block(x, positions, p, attention_fn, state, layer)
+        return (x, state), None
+
+    reps = jnp.arange(run.count, dtype=jnp.int32)
+    (x, attention_state), _ = jax.lax.scan(body, (x, attention_state), (stacked, reps, ple))
+    return x, attention_state
 
 
 @nnx.jit

@@ -1,8 +1,8 @@
 """swajax: a paged KV pool with sliding-window scratch reuse, and generation on it."""
 
-from swajax._spec import LayerSpec
+from swajax._spec import LayerRef, LayerSpec
 
-__all__ = ["LayerSpec"]
+__all__ = ["LayerRef", "LayerSpec"]
 
 # KV memory model: config, layout, state, transforms, scratch, budget.
 from swajax._budget import (  # noqa: E402

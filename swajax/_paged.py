@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention
 from swajax._layout import KVLayout
+from swajax._spec import LayerRef
 from swajax._transforms import StepMetadata, layer_page_table
 
 
@@ -46,7 +47,7 @@ def make_attention_fn(
     decode: bool,
     implementation: str = "auto",
 ):
-    """The `attention_fn(i, q, k, v, pools) -> (out, pools)` hook of `model.forward`.
+    """The `attention_fn(layer, q, k, v, pools) -> (out, pools)` hook of `model.forward`.
 
     Layers that write KV (k is not None) first write the step's new K/V into their pages, then
     every layer attends through its page table; KV-shared layers read their writer's pages.
@@ -54,10 +55,11 @@ def make_attention_fn(
     queries are gathered into one row per sequence and scattered back.
     """
 
-    def attention_fn(i, q, k, v, pools):
-        spec = layout.layer_specs[i]
-        pool_index, _ = layout.layer_table_index(i)
-        page_table = layer_page_table(layout, tables, i)  # [B, 2, NB]
+    def attention_fn(layer: LayerRef, q, k, v, pools):
+        # Static facts from `like`; the page table from the layer's own (maybe traced) index.
+        spec = layout.layer_specs[layer.like]
+        pool_index, _ = layout.layer_table_index(layer.like)
+        page_table = layer_page_table(layout, tables, layer)  # [B, 2, NB]
         ks, vs = k_scales[pool_index], v_scales[pool_index]
         pools = list(pools)
         if k is not None:

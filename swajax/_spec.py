@@ -2,12 +2,34 @@
 
 A model (e.g. `gemma.Transformer`) describes each attention layer with a
 `LayerSpec`; the pool layout, budget and paged forward are derived from the
-tuple of specs alone.
+tuple of specs alone. `LayerRef` is how the model names the layer an attention
+hook runs, also inside a `lax.scan` over layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
+
+
+class LayerRef(NamedTuple):
+    """The layer an attention hook call runs.
+
+    Attributes:
+      like: a static layer index whose `LayerSpec`, pool and KV source are this layer's (the
+        first layer of its scanned run at the same position in the period; the layer itself
+        when unrolled). Everything static (window, scale, pool, writer) comes from it.
+      index: the layer's own index: an int for an unrolled layer, a traced int32 scalar inside
+        a `lax.scan` over layers. Only per-layer data (its page table) is indexed with it.
+    """
+
+    like: int
+    index: Any  # int | jax.Array
+
+    @classmethod
+    def of(cls, layer: int) -> LayerRef:
+        """The reference of an unrolled layer."""
+        return cls(layer, layer)
 
 
 @dataclasses.dataclass(frozen=True)

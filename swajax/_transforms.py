@@ -25,10 +25,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.page_table_gather import page_table_gather
 from swajax._layout import KVLayout
 from swajax._scratch import BAD, ceil_div, scratch_range, scratch_slot_count, stale_range
+from swajax._spec import LayerRef
 from swajax._state import KVPoolState
 
 __all__ = [
@@ -440,10 +442,18 @@ def step_page_tables(
     return tuple(tables)
 
 
-def layer_page_table(layout: KVLayout, tables, layer: int) -> jax.Array:
-    """i32[B, 2, NB]: the page table model layer `layer` reads (the writer's for KV-shared)."""
-    pool, j = layout.layer_table_index(layer)
+def layer_page_table(layout: KVLayout, tables, layer: int | LayerRef) -> jax.Array:
+    """i32[B, 2, NB]: the page table model layer `layer` reads (the writer's for KV-shared).
+
+    `layer` is a layer index or a `LayerRef`, whose index may be traced (a `lax.scan` over
+    layers): its pool is `layer.like`'s, its position in the pool is looked up on the device.
+    """
+    like, index = layer if isinstance(layer, LayerRef) else (layer, layer)
+    pool, j = layout.layer_table_index(like)
+    if not isinstance(index, int):
+        positions = np.asarray([j for _, j in layout.layer_pool], np.int32)  # [L]
+        j = jnp.asarray(positions)[index]
     t = tables[pool]
     if layout.page_table_mode == "per_layer":
-        return t[j]
+        return jax.lax.dynamic_index_in_dim(t, j, 0, keepdims=False)
     return jnp.where(t[0] == BAD, BAD, t[0] + 2 * j)

@@ -201,7 +201,7 @@ def test_save_pretrained_round_trip_is_bit_exact(tmp_path, param_dtype):
         attention_k_eq_v=True, num_global_kv_heads=1, num_kv_heads=2, tie_word_embeddings=False
     )
     model = gemma.Transformer(config, rngs=nnx.Rngs(5), param_dtype=param_dtype)
-    model.layers[2].layer_scalar[...] = jnp.array([0.5], param_dtype)
+    model.set_layer_param(2, "layer_scalar", jnp.array([0.5], param_dtype))
     gemma.save_pretrained(model, tmp_path / "out")
     loaded = gemma.from_pretrained(tmp_path / "out", dtype=param_dtype)
     assert loaded.config == model.config
@@ -223,12 +223,12 @@ def test_loaded_values_and_layouts(case_copy):
     model = gemma.from_pretrained(case_copy)
     q = raw["model.layers.2.self_attn.q_proj.weight"]  # [N*H, D]
     chex.assert_trees_all_equal(
-        model.layers[2].attn.q_proj[...], q.reshape(4, 16, 64).transpose(2, 0, 1)
+        model.layer_param(2, "attn.q_proj"), q.reshape(4, 16, 64).transpose(2, 0, 1)
     )
     o = raw["model.layers.2.self_attn.o_proj.weight"]  # [D, N*H]
-    chex.assert_trees_all_equal(model.layers[2].attn.o_proj[...], o.T.reshape(4, 16, 64))
+    chex.assert_trees_all_equal(model.layer_param(2, "attn.o_proj"), o.T.reshape(4, 16, 64))
     chex.assert_trees_all_equal(
-        model.layers[7].mlp.down_proj[...], raw["model.layers.7.mlp.down_proj.weight"].T
+        model.layer_param(7, "mlp.down_proj"), raw["model.layers.7.mlp.down_proj.weight"].T
     )
 
 
@@ -239,7 +239,7 @@ def _leaves(model):
 def test_orbax_round_trip(tmp_path):
     model = gemma.Transformer(tiny_gemma4(), rngs=nnx.Rngs(3))
     # Non-default buffers and norms, so a restore that re-initialises would be caught.
-    model.layers[2].layer_scalar[...] = jnp.array([0.5])
+    model.set_layer_param(2, "layer_scalar", jnp.array([0.5]))
     model.final_norm.scale[...] = jnp.linspace(0.5, 1.5, 32)
     gemma.save_params(model, tmp_path / "params")
     from_config = gemma.restore_params(model.config, tmp_path / "params")
@@ -316,9 +316,11 @@ def test_random_init_is_seeded():
     a = gemma.Transformer(config, rngs=nnx.Rngs(0))
     b = gemma.Transformer(config, rngs=nnx.Rngs(0))
     c = gemma.Transformer(config, rngs=nnx.Rngs(1))
-    chex.assert_trees_all_equal(a.layers[1].moe.gate_proj[...], b.layers[1].moe.gate_proj[...])
+    chex.assert_trees_all_equal(
+        a.layer_param(1, "moe.gate_proj"), b.layer_param(1, "moe.gate_proj")
+    )
     assert not np.array_equal(a.embedding[...], c.embedding[...])
-    assert a.layers[5].attn.k_proj is None  # KV-shared layer
+    assert a.layer_param(5, "attn.k_proj") is None  # KV-shared layer
     assert float(jnp.std(a.embedding[...])) == pytest.approx(0.02, rel=0.2)
 
 

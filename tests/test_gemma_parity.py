@@ -77,7 +77,7 @@ def test_dense_moe_reference_matches_hf():
     """The all-experts MoE reference agrees with HF as the default ragged path does."""
     _, input_ids, expected = load_case("gemma4_moe")
     model = gemma.from_pretrained(HF_CASES_DIR / "gemma4_moe", moe_implementation="dense")
-    assert model.layers[0].moe.implementation == "dense"
+    assert model.layer_block(0)[0].moe.implementation == "dense"
     assert_logits_close(model(jnp.asarray(input_ids)), expected, "dense MoE")
     with pytest.raises(ValueError, match="moe_implementation must be one of"):
         gemma.Transformer(model.config, rngs=nnx.Rngs(0), moe_implementation="sparse")
@@ -118,16 +118,31 @@ def test_offset_positions_match_hf():
     assert rel <= 1e-3, rel
 
 
-def test_attention_hook_sees_every_layer_with_hf_geometry():
-    """forward() calls attention_fn once per layer, in order, with each layer's q/k/v shapes."""
-    model, input_ids, expected = load_case("gemma4_ple_shared")
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_attention_hook_sees_every_layer_with_hf_geometry(scan_layers):
+    """forward() calls attention_fn for every layer, in order, with each layer's q/k/v shapes:
+    once per layer unrolled; inside a scanned run once per position of the period, standing for
+    that position in every repetition."""
+    _, input_ids, expected = load_case("gemma4_ple_shared")
+    model = gemma.from_pretrained(
+        HF_CASES_DIR / "gemma4_ple_shared", dtype=jnp.float32, scan_layers=scan_layers
+    )
     config = model.config
     dense = gemma.dense_attention_fn(config.layer_specs)
+    runs = {i: run for run in model.layer_runs for i in run.layers}
     calls = []
 
-    def recording_fn(i, q, k, v, state):
-        calls.append((i, q.shape, None if k is None else k.shape, None if v is None else v.shape))
-        return dense(i, q, k, v, state)
+    def recording_fn(layer, q, k, v, state):
+        run = runs[layer.like]
+        if isinstance(layer.index, int):
+            assert layer.index == layer.like and not run.scanned
+            layers = [layer.like]
+        else:  # traced: the position `like` of every repetition of the run
+            assert run.scanned and layer.like < run.first + run.period
+            layers = list(range(layer.like, run.stop, run.period))
+        kv = (None if k is None else k.shape, None if v is None else v.shape)
+        calls.extend((i, q.shape, *kv) for i in layers)
+        return dense(layer, q, k, v, state)
 
     tokens = jnp.asarray(input_ids)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -139,7 +154,11 @@ def test_attention_hook_sees_every_layer_with_hf_geometry():
     assert_logits_close(logits, expected, "forward with recording hook")
     b, t = tokens.shape
     # The HF case: 8 layers S S S F S S S F, head_dim 16 / 32, 1 KV head, last 3 layers shared.
-    assert [c[0] for c in calls] == list(range(8))
+    assert sorted(c[0] for c in calls) == list(range(8))
+    if scan_layers:  # the writer layers 0-2 are one scanned run
+        assert [(r.first, r.period, r.count) for r in model.layer_runs][0] == (0, 1, 3)
+    else:
+        assert [c[0] for c in calls] == list(range(8))
     for i, q_shape, k_shape, v_shape in calls:
         h = 32 if i in (3, 7) else 16
         assert q_shape == (b, t, 4, h)
@@ -235,7 +254,7 @@ def test_bfloat16_load_stays_close():
     _, input_ids, expected = load_case("gemma3_linear")
     bf16 = gemma.from_pretrained(HF_CASES_DIR / "gemma3_linear", dtype=jnp.bfloat16)
     assert bf16.embedding[...].dtype == jnp.bfloat16
-    assert bf16.layers[0].attn.q_proj[...].dtype == jnp.bfloat16
+    assert bf16.layer_param(0, "attn.q_proj").dtype == jnp.bfloat16
     logits = bf16(jnp.asarray(input_ids))
     assert logits.dtype == jnp.float32
     rel = np.linalg.norm(np.asarray(logits) - expected) / np.linalg.norm(expected)

@@ -83,15 +83,17 @@ def test_full_size_forward_shapes(name):
 def test_layer_parameter_shapes():
     """Per-layer geometry of the 26B-A4B and E2B presets (HF tensor shapes, einsum layouts)."""
     moe = abstract_model("gemma4_26b_a4b")
-    full, sliding = moe.layers[5], moe.layers[0]
-    chex.assert_shape(full.attn.q_proj, (2816, 16, 512))
-    chex.assert_shape(full.attn.k_proj, (2816, 2, 512))
-    assert full.attn.v_proj is None
-    chex.assert_shape(sliding.attn.v_proj, (2816, 8, 256))
-    chex.assert_shape(sliding.moe.gate_proj, (128, 2816, 704))
-    chex.assert_shape(sliding.moe.down_proj, (128, 704, 2816))
+    chex.assert_shape(moe.layer_param(5, "attn.q_proj"), (2816, 16, 512))  # full
+    chex.assert_shape(moe.layer_param(5, "attn.k_proj"), (2816, 2, 512))
+    assert moe.layer_param(5, "attn.v_proj") is None
+    chex.assert_shape(moe.layer_param(0, "attn.v_proj"), (2816, 8, 256))  # sliding
+    chex.assert_shape(moe.layer_param(0, "moe.gate_proj"), (128, 2816, 704))
+    chex.assert_shape(moe.layer_param(0, "moe.down_proj"), (128, 704, 2816))
+    # Stacked storage: the 30 layers are one scanned run of 5 periods of 6.
+    assert [(r.first, r.period, r.count) for r in moe.layer_runs] == [(0, 6, 5)]
+    chex.assert_shape(moe.blocks[0][5].attn.q_proj, (5, 2816, 16, 512))
     e2b = abstract_model("gemma4_e2b")
-    assert e2b.layers[15].attn.k_proj is None  # KV-shared
-    chex.assert_shape(e2b.layers[15].mlp.gate_proj, (1536, 2 * 6144))
+    assert e2b.layer_param(15, "attn.k_proj") is None  # KV-shared
+    chex.assert_shape(e2b.layer_param(15, "mlp.gate_proj"), (1536, 2 * 6144))
     chex.assert_shape(e2b.per_layer_embedding, (262_144, 35 * 256))
-    chex.assert_shape(e2b.layers[0].layer_scalar, (1,))
+    chex.assert_shape(e2b.layer_param(0, "layer_scalar"), (1,))

@@ -347,9 +347,10 @@ def test_pallas_generation_matches_reference_on_gpu(family, monkeypatch):
         config = tiny_gemma3(**kw)
     model = gemma.Transformer(config, rngs=nnx.Rngs(3), dtype=jnp.float32)
     if family == "gemma4":
-        for layer in model.layers:
-            norm = layer.attn.q_norm
-            norm.scale[...] = jnp.full_like(norm.scale[...], norm.scale.shape[-1] ** -0.5)
+        for blocks in model.blocks:
+            for block in blocks:
+                norm = block.attn.q_norm
+                norm.scale[...] = jnp.full_like(norm.scale[...], norm.scale.shape[-1] ** -0.5)
     prompts = prompts_of([100, 37, 64], seed=2)
     runs = {}
     for impl in ("reference", "pallas"):

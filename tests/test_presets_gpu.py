@@ -40,8 +40,8 @@ def preset_model(name: str):
 
 def unit_size_attention_logits(model) -> None:
     """q-norm scales making scale * q.k about unit-size for unit-RMS q and k."""
-    for layer in model.layers:
-        attn = layer.attn
+    for block in (block for blocks in model.blocks for block in blocks):
+        attn = block.attn
         spec = model.config.layer_specs[attn.layer_index]
         norm = attn.q_norm
         head_dim = norm.scale.shape[-1]

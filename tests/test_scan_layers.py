@@ -1,0 +1,190 @@
+"""Layers under `lax.scan`: the runs of a repeating period, stacked parameters, and parity with
+the unrolled model (`Transformer(scan_layers=False)`, one Block per layer).
+
+Oracles: hand-computed runs of the presets; the unrolled model built from the same seed (the
+same parameters, layer by layer: construction draws them in layer order either way) through the
+dense forward and through the paged engine; the lowered step's size at two depths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_generate import _logits_by_token, prompts_of, run_engine, tiny_gemma3, tiny_gemma4
+
+import gemma
+import swajax
+
+
+def runs_of(config):
+    return [(r.first, r.period, r.count) for r in config.layer_runs]
+
+
+def test_runs_of_presets_by_hand():
+    """Gemma 3: 5 sliding + 1 full repeated, the remainder unrolled. Gemma 4 E2B / E4B: the
+    writer periods, the period holding the two layers whose KV the shared layers read
+    (unrolled), then the KV-shared periods."""
+    presets = gemma.configs
+    assert runs_of(presets.gemma3_1b()) == [(0, 6, 4), (24, 2, 1)]
+    assert runs_of(presets.gemma3_27b()) == [(0, 6, 10), (60, 2, 1)]
+    assert runs_of(presets.gemma3_12b()) == [(0, 6, 8)]
+    assert runs_of(presets.gemma4_e2b()) == [(0, 5, 2), (10, 5, 1), (15, 5, 4)]
+    assert runs_of(presets.gemma4_e4b()) == [(0, 6, 3), (18, 6, 1), (24, 6, 3)]
+    assert runs_of(presets.gemma4_31b()) == [(0, 6, 10)]
+    # No repetition at all: one unrolled run.
+    assert runs_of(presets.gemma3_1b(num_layers=2, layer_types=("sliding", "full"))) == [(0, 2, 1)]
+
+
+@pytest.mark.parametrize("name", gemma.configs.PRESET_NAMES)
+def test_runs_cover_layers_with_equal_specs_per_position(name):
+    """The runs tile the layers in order, and every repetition of a scanned run has the
+    attention spec (window, geometry, scale, writer) and MLP width of the first: what the
+    attention hooks and the stacked parameters rely on."""
+    config = gemma.configs.preset(name)
+    runs = config.layer_runs
+    assert [i for r in runs for i in r.layers] == list(range(config.num_layers))
+    specs = config.layer_specs
+    for run in runs:
+        for i in run.layers:
+            like = run.first + (i - run.first) % run.period
+            a, b = specs[i], specs[like]
+            assert (a.window, a.num_kv_heads, a.head_dim, a.scale) == (
+                b.window,
+                b.num_kv_heads,
+                b.head_dim,
+                b.scale,
+            )
+            assert (a.kv_source == i) == (b.kv_source == like)
+            if a.kv_source != i:
+                assert a.kv_source == b.kv_source  # readers of a run share one writer
+            assert config.mlp_width(i) == config.mlp_width(like)
+    scanned = sum(r.period * r.count for r in runs if r.scanned)
+    assert scanned >= config.num_layers * 0.6, runs
+
+
+# Tiny configs of every feature the scan must carry: Gemma 3; Gemma 4 with KV sharing and
+# per-layer embeddings (the default tiny_gemma4), K=V full layers, MoE.
+CONFIGS = {
+    "gemma3": lambda: tiny_gemma3(num_layers=8),
+    "gemma4_shared_ple": lambda: tiny_gemma4(),
+    "gemma4_keqv": lambda: tiny_gemma4(
+        num_layers=8, num_kv_shared_layers=0, attention_k_eq_v=True, per_layer_input_dim=0
+    ),
+    "gemma4_moe": lambda: tiny_gemma4(
+        num_layers=8,
+        num_kv_shared_layers=0,
+        per_layer_input_dim=0,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+    ),
+}
+
+
+def unit_size_attention_logits(model) -> None:
+    """q-norm scales giving unit-size attention logits, as a trained model has: random Gemma 4
+    weights at attention scale 1 give near one-hot softmaxes that amplify float32 rounding
+    differences between two compilations of the same math by 10-100x."""
+    for blocks in model.blocks:
+        for block in blocks:
+            norm = block.attn.q_norm
+            target = norm.scale.shape[-1] ** -0.5 if block.gemma4 else 1.0
+            value = target - 1.0 if norm.plus_one else target
+            norm.scale[...] = jnp.full_like(norm.scale[...], value)
+
+
+@functools.cache
+def model_pair(case: str):
+    config = CONFIGS[case]()
+    scanned, unrolled = (
+        gemma.Transformer(config, rngs=nnx.Rngs(4), scan_layers=scan) for scan in (True, False)
+    )
+    for model in (scanned, unrolled):
+        unit_size_attention_logits(model)
+    return scanned, unrolled
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_scan_and_unrolled_hold_the_same_parameters(case):
+    scanned, unrolled = model_pair(case)
+    assert any(r.scanned for r in scanned.layer_runs), scanned.layer_runs
+    assert [r.scanned for r in unrolled.layer_runs] == [False]
+    paths = ["attn.q_proj", "attn.o_proj", "mlp.down_proj", "pre_attention_norm.scale"]
+    for i in range(scanned.config.num_layers):
+        for name in paths:
+            chex.assert_trees_all_equal(scanned.layer_param(i, name), unrolled.layer_param(i, name))
+    assert scanned.num_params == unrolled.num_params
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_scan_matches_unrolled_dense(case):
+    scanned, unrolled = model_pair(case)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, 128, (2, 40)), jnp.int32)
+    a, b = np.asarray(scanned(tokens)), np.asarray(unrolled(tokens))
+    chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("case, scratch", [("gemma3", False), ("gemma4_shared_ple", True)])
+def test_scan_matches_unrolled_paged(case, scratch):
+    """Chunked prefill larger than the window, then decode: the same greedy tokens and logits
+    within 1e-6, with scratch reuse on and off."""
+    scanned, unrolled = model_pair(case)
+    prompts = prompts_of([70, 33, 9], seed=5)
+    runs = {}
+    for name, model in (("scan", scanned), ("unrolled", unrolled)):
+        engine, outputs, stats = run_engine(
+            model, prompts, 6, scratch=scratch, chunk=48, collect=True
+        )
+        assert engine.layout.scratch is scratch
+        runs[name] = outputs, _logits_by_token(stats)
+    assert runs["scan"][0] == runs["unrolled"][0]
+    for key, logits in runs["scan"][1].items():
+        chex.assert_trees_all_close(logits, runs["unrolled"][1][key], rtol=1e-6, atol=1e-6)
+
+
+def _lowered_step_size(num_layers: int) -> int:
+    """Operations in the lowered prefill step of a Gemma 3 model of `num_layers` layers."""
+    config = tiny_gemma3(num_layers=num_layers)
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    engine = swajax.Engine(
+        model,
+        swajax.KVCacheConfig(page_size=16, dtype=jnp.float32, max_gpu_total_bytes=16 << 20),
+        max_context=128,
+        max_batch=2,
+        prefill_chunk_size=32,
+    )
+    text = engine.lower_step(64, decode=False).as_text()
+    return sum(1 for line in text.splitlines() if " = " in line)
+
+
+def test_lowered_step_is_flat_in_depth():
+    """The step of a 48-layer model lowers to at most 1.3x the operations of a 12-layer one
+    (unrolled, it grew by about 520 operations per layer)."""
+    small, large = _lowered_step_size(12), _lowered_step_size(48)
+    assert large <= 1.3 * small, (small, large)
+
+
+def test_layer_param_accessors():
+    scanned, _ = model_pair("gemma3")
+    block, index = scanned.layer_block(7)
+    assert index is not None and block.attn.q_proj.shape[0] > 1  # a stacked Block
+    before = scanned.layer_param(7, "layer_scalar")
+    assert before is None  # Gemma 3 has no layer scalars
+    value = jnp.full_like(scanned.layer_param(7, "post_ffw_norm.scale"), 0.25)
+    old6 = scanned.layer_param(6, "post_ffw_norm.scale")
+    model = gemma.Transformer(scanned.config, rngs=nnx.Rngs(4))
+    model.set_layer_param(7, "post_ffw_norm.scale", value)
+    chex.assert_trees_all_equal(model.layer_param(7, "post_ffw_norm.scale"), value)
+    chex.assert_trees_all_equal(model.layer_param(6, "post_ffw_norm.scale"), old6)
+    with pytest.raises(ValueError, match="outside"):
+        model.layer_block(8)
+    with pytest.raises(ValueError, match="no 'attn.nope'"):
+        model.layer_param(0, "attn.nope")
+    with pytest.raises(ValueError, match="not an array"):
+        model.layer_param(0, "attn")
