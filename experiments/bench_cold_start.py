@@ -12,7 +12,8 @@ construction, in threads) where asked.
 
 Decode (`--decode`): Gemma 3 4B, 64 prompts of 8192 tokens, 33 new tokens each, greedy; the
 inter-token latency of the run (p50, host loop included) against the step's bytes floor: the
-weights and the KV the step reads, at the copy bandwidth measured in the run.
+weights and the KV the step reads, at the copy bandwidth measured in the run; once with the
+layers under `lax.scan` (the default) and once unrolled (`scan_layers=False`), same weights.
 """
 
 # %%
@@ -93,7 +94,7 @@ def cold_start(preset: str, quick: bool, precompile: bool) -> dict:
     return rec
 
 
-def decode_record(quick: bool, copy_tbs: float | None) -> dict:
+def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -104,10 +105,21 @@ def decode_record(quick: bool, copy_tbs: float | None) -> dict:
 
     batch, context, new = (4, 256, 9) if quick else (64, 8192, 33)
     config = gemma.configs.small_preset("gemma3_4b") if quick else gemma.configs.gemma3_4b()
-    rec = dict(kind="decode_step", preset="gemma3_4b", batch=batch, context=context, new=new)
+    rec = dict(
+        kind="decode_step",
+        preset="gemma3_4b",
+        batch=batch,
+        context=context,
+        new=new,
+        scan_layers=scan_layers,
+    )
     try:
         model = gemma.Transformer(
-            config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+            config,
+            rngs=nnx.Rngs(0),
+            dtype=jnp.bfloat16,
+            param_dtype=jnp.bfloat16,
+            scan_layers=scan_layers,
         )
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         rng = np.random.default_rng(0)
@@ -127,6 +139,7 @@ def decode_record(quick: bool, copy_tbs: float | None) -> dict:
             kv += 2 * keys * s.num_kv_heads * s.head_dim * 2 if s.kv_source == i else 0
         floor_ms = (weight_bytes + batch * kv) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
         rec.update(
+            traces=engine.trace_count,
             itl_ms={k: v * 1e3 for k, v in stats.itl.items()},
             ttft_s=stats.ttft,
             steps=stats.steps,
@@ -168,7 +181,13 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
     if args.decode:
-        res["records"].append(decode_record(args.quick, copy))
+        for scan_layers in (True, False):
+            res["records"].append(decode_record(args.quick, copy, scan_layers))
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        scan, unrolled = (r.get("itl_ms", {}).get("p50") for r in res["records"][-2:])
+        if scan and unrolled:
+            res["decode_scan_over_unrolled"] = scan / unrolled
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     for r in res["records"]:
@@ -180,7 +199,12 @@ def main():
                 f"{(r.get('cold_error') or r.get('warm_cache_error') or '')[-200:]}"
             )
         else:
-            print(f"decode {r.get('itl_ms')} floor {r.get('floor_ms')} {r.get('error', '')[-200:]}")
+            print(
+                f"decode scan_layers={r['scan_layers']!s:<5} itl {r.get('itl_ms')} floor "
+                f"{r.get('floor_ms')} {r.get('error', '')[-200:]}"
+            )
+    if "decode_scan_over_unrolled" in res:
+        print(f"decode step, scan / unrolled: {res['decode_scan_over_unrolled']:.3f}")
 
 
 if __name__ == "__main__":

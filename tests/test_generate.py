@@ -257,19 +257,26 @@ def test_pool_too_small_for_one_sequence_raises():
         )
 
 
-def test_compiled_step_updates_pool_roots_in_place():
-    """The step donates the pool state: its HLO aliases every pool root and copies none."""
+@pytest.mark.parametrize(
+    "implementation, kv_dtype",
+    [("reference", jnp.float32), pytest.param("pallas", jnp.bfloat16, marks=pytest.mark.gpu)],
+)
+def test_compiled_step_updates_pool_roots_in_place(implementation, kv_dtype):
+    """The step donates the pool state: its HLO aliases every pool root and copies none, also
+    with the layers under `lax.scan` (the pools are the scan's carry) and the Pallas kernels
+    writing them."""
     model = make_model("gemma4")
+    assert any(run.scanned for run in model.layer_runs)
     engine = swajax.Engine(
         model,
-        kv_config(True, max_gpu_total_bytes=32 << 20),
+        kv_config(True, max_gpu_total_bytes=32 << 20, dtype=kv_dtype),
         max_context=512,
         max_batch=2,
         prefill_chunk_size=32,
-        implementation="reference",
+        implementation=implementation,
     )
     pools = engine.state.pools
-    dtype = {jnp.dtype(jnp.float32): "f32"}
+    dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}
     root_shapes = [f"{dtype[p.dtype]}[{','.join(map(str, p.shape))}]" for p in pools]
     for decode, num_tokens in ((False, 64), (True, 8)):
         hlo = engine.lower_step(num_tokens, decode=decode).compile().as_text()
