@@ -124,9 +124,16 @@ def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1, config.vocab_size, context).tolist() for _ in range(batch)]
+        # An explicit quota (the run's KV and its prefill chunk, with room to spare) instead of
+        # a fraction of free memory, so both variants plan the same pool.
+        quota = (4 << 20) if quick else (24 << 30)
         engine = swajax.Engine(
             model,
-            swajax.KVCacheConfig(page_size=32 if not quick else 16, dtype=jnp.bfloat16),
+            swajax.KVCacheConfig(
+                page_size=32 if not quick else 16,
+                dtype=jnp.bfloat16,
+                max_gpu_total_bytes=quota,
+            ),
             max_context=context + new + 32,
             max_batch=batch,
             implementation="reference" if quick else "pallas",
@@ -175,7 +182,7 @@ def main():
 
     res = run_metadata(quick=args.quick, presets=args.presets, copy_tbs=copy)
     res["records"] = []
-    for preset in args.presets.split(","):
+    for preset in filter(None, args.presets.split(",")):
         for pre in (False, True) if args.both else (args.precompile,):
             res["records"].append(cold_start(preset, args.quick, pre))
             with open(args.out, "w") as f:

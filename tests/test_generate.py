@@ -266,6 +266,9 @@ def test_compiled_step_updates_pool_roots_in_place(implementation, kv_dtype):
     with the layers under `lax.scan` (the pools are the scan's carry) and the Pallas kernels
     writing them."""
     model = make_model("gemma4")
+    if implementation == "pallas":  # the kernels' head dims
+        config = tiny_gemma4(head_dim=128, global_head_dim=256, hidden_size=128)
+        model = gemma.Transformer(config, rngs=nnx.Rngs(3), dtype=jnp.float32)
     assert any(run.scanned for run in model.layer_runs)
     engine = swajax.Engine(
         model,
