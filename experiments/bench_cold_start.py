@@ -126,7 +126,7 @@ def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True)
         prompts = [rng.integers(1, config.vocab_size, context).tolist() for _ in range(batch)]
         # An explicit quota (the run's KV and its prefill chunk, with room to spare) instead of
         # a fraction of free memory, so both variants plan the same pool.
-        quota = (4 << 20) if quick else (24 << 30)
+        quota = (64 << 20) if quick else (24 << 30)
         engine = swajax.Engine(
             model,
             swajax.KVCacheConfig(
