@@ -248,6 +248,7 @@ class Engine:
         self.headroom = default_headroom(self.num_slots, admission_headroom)
         self.graphdef, self.params = nnx.split(model)
         self._steps: dict = {}
+        self._ran: set = set()  # step variants (`_variant`) this engine has dispatched
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._traces_at_start = trace_count(self.layout)
@@ -399,17 +400,23 @@ class Engine:
             )
         return self._steps[key]
 
-    def _dispatch(self, plan) -> None:
+    def _variant(self, plan) -> tuple:
+        """(token bucket, decode, logits, sampling mode): which compiled step runs `plan`."""
         num_tokens, decode = self._bucket(plan)
+        mode = step_mode([r.sampling for r, _ in plan.samples.values()])
+        logits = self._stats is not None and self._stats.step_logits is not None
+        return max(num_tokens, plan.num_tokens), decode, logits, mode
+
+    def _dispatch(self, plan) -> None:
+        num_tokens, decode, logits, mode = variant = self._variant(plan)
+        self._ran.add(variant)
         inputs = step_inputs(
             plan,
-            num_tokens=max(num_tokens, plan.num_tokens),
+            num_tokens=num_tokens,
             max_batch=self.layout.max_batch,
             max_shares=self.max_shares,
             sampling=lambda r: r.sampling.row_values(),
         )
-        mode = step_mode([r.sampling for r, _ in plan.samples.values()])
-        logits = self._stats is not None and self._stats.step_logits is not None
         step = self._step_function(decode, logits, mode)
         with _sigint_deferred():
             out = step(self.params, self.state, self.tables, self._prev_tokens, inputs)
@@ -510,6 +517,12 @@ class Engine:
             outputs, self._unclaimed = self._unclaimed, []
             previous, self._in_flight = self._in_flight, None
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
+            if plan is not None and plan.new_tokens and self._variant(plan) not in self._ran:
+                # This step's shape has not run on this engine, so dispatching it may compile
+                # for seconds: read the step in flight first, so that its tokens (often a
+                # request's first) do not wait for the compile.
+                self._in_flight, previous = previous, None
+                outputs += self._collect()
             if plan is not None:
                 if plan.new_tokens:
                     self._dispatch(plan)
