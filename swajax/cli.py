@@ -517,7 +517,8 @@ def memory_plan(
     abstract = nnx.eval_shape(
         lambda: gemma.Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype)
     )
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
+    params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in params)
     # The default pool ratio for this workload: max_batch sequences of input_len tokens.
     cfg = dataclasses.replace(
         cfg,
