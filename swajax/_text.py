@@ -120,7 +120,8 @@ def _text_ids(tokenizer, ids: Sequence[int], finish_reason: str | None) -> list[
     """The ids that make the text: without the stop token, without ids the tokenizer lacks."""
     if finish_reason == "stop":
         ids = ids[:-1]
-    return [t for t in ids if t < tokenizer.vocab_size]
+    known = tokenizer.vocab_size
+    return [t for t in ids if t < known]
 
 
 def text_of(tokenizer, token_ids, finish_reason, *, skip_special_tokens: bool = True) -> str:
