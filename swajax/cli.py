@@ -3,7 +3,8 @@
     python -m swajax generate --model DIR_OR_PRESET --input prompts.jsonl --output out.jsonl \\
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--chat] \\
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
-        [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR]
+        [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
+        [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
 
 Input: one JSON object per line, `{"prompt": "..."}` or `{"messages": [{"role": ...,
@@ -382,9 +383,9 @@ def group_names(layout: KVLayout) -> tuple[str, ...]:
     return tuple(f"sliding({g.window})" if g.is_sliding else "full" for g in layout.groups)
 
 
-def _write(f, text: str) -> None:
-    f.write(text)
-    f.flush()
+def _write(f, data: bytes) -> None:
+    f.write(data)
+    f.flush()  # a stopped run leaves whole lines (at most a cut last one, dropped on --resume)
 
 
 def generate_jsonl(
