@@ -7,7 +7,7 @@ ifeq ($(origin PYTHON),undefined)
 PYTHON := $(shell tools/find_python.sh 2>/dev/null)
 endif
 
-.PHONY: run test fixtures lint format venv gpu-test clean tiny-model
+.PHONY: run demo test fixtures lint format venv gpu-test clean tiny-model
 
 $(VENV)/.stamp: pyproject.toml constraints.txt
 	@if [ -z "$(PYTHON)" ]; then tools/find_python.sh >/dev/null; exit 1; fi
@@ -20,6 +20,11 @@ venv: $(VENV)/.stamp
 
 run: $(VENV)/.stamp
 	$(PY) -m swajax.main
+
+# Text generation from the tiny trained model: a JSONL batch through the CLI's function, a
+# streamed chat, KV slot occupancy with scratch reuse on and off, a full-size memory plan.
+demo: $(VENV)/.stamp
+	$(PY) experiments/quickstart.py
 
 test: $(VENV)/.stamp
 	$(PY) -m ruff check swajax pallas_kernels gemma experiments tests

@@ -81,6 +81,7 @@ from swajax._generate import generate  # noqa: E402
 from swajax._ledger import SlotLedger  # noqa: E402
 from swajax._sampling import SamplingParams  # noqa: E402
 from swajax._scheduler import Request, Scheduler, StepPlan  # noqa: E402
+from swajax._text import TextChunk, TextOutput, generate_text  # noqa: E402
 
 __all__ += [
     "Engine",
@@ -91,5 +92,8 @@ __all__ += [
     "Scheduler",
     "SlotLedger",
     "StepPlan",
+    "TextChunk",
+    "TextOutput",
     "generate",
+    "generate_text",
 ]

@@ -86,12 +86,13 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 
 @dataclasses.dataclass
 class RunStats:
-    """What one `Engine.run` / `stream` did.
+    """What one `Engine.run` (or a block of `Engine.recording`) did.
 
     Slots: `peak_slots` / `mean_slots` per pool group (held after each step's reserve),
-    `num_slots` the pool's. Latency: `ttft_s` per request (from its admission to the queue to
-    its first token on the host) and `itl_s` (gaps between its tokens), with `ttft` / `itl`
-    summaries (mean, p50, p99).
+    `step_slots` the slots held per group after each step's reserve (the occupancy over the
+    run), `num_slots` the pool's. Latency: `ttft_s` per request (from its admission to the
+    queue to its first token on the host) and `itl_s` (gaps between its tokens), with `ttft` /
+    `itl` summaries (mean, p50, p99).
     """
 
     steps: int = 0
@@ -101,6 +102,7 @@ class RunStats:
     seconds: float = 0.0
     peak_slots: tuple[int, ...] = ()
     slot_steps: tuple[int, ...] = ()  # per group: sum over steps of the slots held in the step
+    step_slots: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     num_slots: tuple[int, ...] = ()
     max_concurrent: int = 0
     preemptions: int = 0
@@ -433,6 +435,7 @@ class Engine:
             stats.max_concurrent = max(stats.max_concurrent, len(plan.new_tokens))
             stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, plan.used))
             stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, plan.used))
+            stats.step_slots.append(tuple(int(x) for x in plan.used))
 
     def _collect(self) -> list[RequestOutput]:
         """Reads the step in flight and records its tokens; returns the outputs."""
@@ -595,14 +598,29 @@ class Engine:
             requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
             ids = self._queue(requests)
             index = {rid: i for i, rid in enumerate(ids)}
+            with contextlib.closing(self.stream_requests(ids)) as outputs:
+                for out in outputs:
+                    yield index[out.request_id], out
+
+    def stream_requests(self, request_ids) -> Iterator[RequestOutput]:
+        """Steps until the queued requests `request_ids` (from `add_request`) have finished,
+        yielding their outputs as they come; other requests' outputs come from later `step()`
+        calls. An exception, a KeyboardInterrupt or closing the generator aborts these requests
+        (their rows are freed). ValueError (nothing run) for an id that is not queued.
+        """
+        with self._lock:
+            ids = list(request_ids)
+            unknown = [i for i in ids if i not in self.scheduler.requests]
+            if unknown:
+                raise ValueError(f"request ids {unknown[:5]} are not queued or running")
             remaining = set(ids)
             with self._guarded(ids):
                 while remaining:
                     for out in self.step():
-                        if out.request_id in index:
+                        if out.request_id in remaining:
                             if out.finished:
                                 remaining.discard(out.request_id)
-                            yield index[out.request_id], out
+                            yield out
                         else:
                             self._unclaimed.append(out)
 
@@ -625,6 +643,41 @@ class Engine:
         """
         with self._lock:
             requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(requests) * max_new_tokens, unit="tok", desc="generate")
+            outputs: list[list[int]] = [[] for _ in requests]
+            try:
+                with self.recording(collect_logits=collect_logits) as stats:
+                    ids = self._queue(requests)
+                    index = {rid: i for i, rid in enumerate(ids)}
+                    self._logit_rows = dict(index)
+                    with contextlib.closing(self.stream_requests(ids)) as request_outputs:
+                        for out in request_outputs:
+                            i = index[out.request_id]
+                            outputs[i] = list(out.token_ids)
+                            if bar is not None:
+                                bar.update(len(out.new_token_ids))
+                            if callback is not None:
+                                callback(i, out)
+                    jax.block_until_ready(self.state)
+            finally:
+                if bar is not None:
+                    bar.close()
+            return outputs, stats
+
+    @contextlib.contextmanager
+    def recording(self, *, collect_logits: bool = False) -> Iterator[RunStats]:
+        """Records the steps run inside the block into the `RunStats` it yields.
+
+        `run` records this way; around `stream`, `stream_requests` or a loop over `step` the
+        same statistics come out (seconds: the block's wall time). One recording at a time.
+        """
+        with self._lock:
+            if self._stats is not None:
+                raise RuntimeError("this engine is already recording a RunStats")
             stats = RunStats(num_slots=self.num_slots)
             zeros = (0,) * len(self.num_slots)
             stats.peak_slots, stats.slot_steps = zeros, zeros
@@ -632,33 +685,9 @@ class Engine:
             counters = dataclasses.replace(self.scheduler.counters)
             self._stats = stats
             self._logit_rows = {}
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=len(requests) * max_new_tokens, unit="tok", desc="generate")
-            outputs: list[list[int]] = [[] for _ in requests]
             t0 = time.perf_counter()
             try:
-                ids = self._queue(requests)
-                self._logit_rows = {rid: i for i, rid in enumerate(ids)}
-                index = dict(self._logit_rows)
-                remaining = set(ids)
-                with self._guarded(ids):
-                    while remaining:
-                        for out in self.step():
-                            i = index.get(out.request_id)
-                            if i is None:
-                                self._unclaimed.append(out)
-                                continue
-                            outputs[i] = list(out.token_ids)
-                            if bar is not None:
-                                bar.update(len(out.new_token_ids))
-                            if callback is not None:
-                                callback(i, out)
-                            if out.finished:
-                                remaining.discard(out.request_id)
-                    jax.block_until_ready(self.state)
+                yield stats
             finally:
                 stats.seconds = time.perf_counter() - t0
                 c = self.scheduler.counters
@@ -667,9 +696,6 @@ class Engine:
                 stats.prefix_hits = c.prefix_hits - counters.prefix_hits
                 stats.prefix_tokens = c.prefix_tokens - counters.prefix_tokens
                 self._stats, self._logit_rows = None, None
-                if bar is not None:
-                    bar.close()
-            return outputs, stats
 
     # ------------------------------------------------------------------ compilation
 

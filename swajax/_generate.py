@@ -108,17 +108,52 @@ def generate(
     The engine is kept for the next call with the same model and settings
     (`swajax._generate.ENGINE_CACHE`; `.clear()` frees it), so repeated calls compile nothing.
     """
+    max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
+    prompts = validate_prompts(
+        prompts, model.config.vocab_size, model.config.max_context, max_new_tokens
+    )
+    engine = cached_engine(
+        model,
+        [len(p) + max_new_tokens for p in prompts],
+        kv_cache_config=kv_cache_config,
+        prefill_chunk_size=prefill_chunk_size,
+        implementation=implementation,
+        max_batch=max_batch,
+        max_num_tokens=max_num_tokens,
+        prefix_cache_rows=prefix_cache_rows,
+    )
+    outputs, _ = engine.run(
+        prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
+    )
+    return outputs
+
+
+def cached_engine(
+    model,
+    request_lengths: list[int],
+    *,
+    kv_cache_config: KVCacheConfig | None = None,
+    prefill_chunk_size: int | None = None,
+    implementation: str = "auto",
+    max_batch: int | None = None,
+    max_num_tokens: int | None = None,
+    prefix_cache_rows: int = 0,
+) -> Engine:
+    """The engine that serves requests of `request_lengths` tokens (prompt + new tokens).
+
+    The kept engine (`ENGINE_CACHE`) when its settings match and its context and rows suffice,
+    else a new one, which is then kept. Rows: max_batch (default kv_cache_config.max_batch,
+    else 16), never more than the requests; context: the longest request rounded up to a
+    power-of-two number of blocks, at most the model's. The other arguments: see `generate`.
+    """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
-    max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
-    prompts = validate_prompts(prompts, config.vocab_size, config.max_context, max_new_tokens)
     if max_batch is not None:
         max_batch = _validate.positive_int("max_batch", max_batch)
-    rows = min(max_batch or cfg.max_batch or 16, len(prompts))
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    max_context = min(_round_context(longest, cfg.page_size), config.max_context)
+    rows = min(max_batch or cfg.max_batch or 16, len(request_lengths))
+    max_context = min(_round_context(max(request_lengths), cfg.page_size), config.max_context)
     key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows)
-    engine = ENGINE_CACHE.get(
+    return ENGINE_CACHE.get(
         model,
         key,
         max_context,
@@ -134,7 +169,3 @@ def generate(
             prefix_cache_rows=prefix_cache_rows,
         ),
     )
-    outputs, _ = engine.run(
-        prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
-    )
-    return outputs
