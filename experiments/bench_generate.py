@@ -283,7 +283,9 @@ def run_hf(w, out_path):
     )
     prompts = make_prompts(config.vocab_size, w)
     records = []
-    for attn in ("sdpa_paged", "paged|sdpa", "paged_attention"):
+    # transformers 5.17: generate_batch runs the paged variant of the model's attention
+    # implementation ("paged|sdpa" for the default sdpa); flash-attention needs its package.
+    for attn in ("sdpa", "paged|sdpa", "paged|flash_attention_2"):
         rec = dict(
             system="hf_transformers",
             workload="gemma3_1b_2k",
@@ -294,8 +296,8 @@ def run_hf(w, out_path):
         )
         try:
             torch.manual_seed(0)
-            model = Gemma3ForCausalLM(hf_config).to(device="cuda", dtype=torch.bfloat16).eval()
-            model.config._attn_implementation = attn
+            model = Gemma3ForCausalLM._from_config(hf_config, attn_implementation=attn)
+            model = model.to(device="cuda", dtype=torch.bfloat16).eval()
             gen = GenerationConfig(
                 max_new_tokens=w["output"],
                 min_new_tokens=w["output"],
