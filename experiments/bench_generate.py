@@ -305,14 +305,20 @@ def run_hf(w, out_path):
                 eos_token_id=None,
                 pad_token_id=0,
             )
-            with torch.inference_mode():
-                model.generate_batch(prompts[:2], generation_config=gen, progress_bar=False)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = model.generate_batch(prompts, generation_config=gen, progress_bar=False)
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
+            # No torch.inference_mode() around generate_batch: its generation loop runs in a
+            # thread of its own, which cannot update tensors made in inference mode here.
+            model.generate_batch(prompts[:2], generation_config=gen, progress_bar=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate_batch(prompts, generation_config=gen, progress_bar=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
             lengths = [len(o.generated_tokens) for o in out.values()]
+            if sum(lengths) != w["prompts"] * w["output"]:
+                raise RuntimeError(
+                    f"generate_batch returned {sum(lengths)} tokens for {len(out)} requests, "
+                    f"expected {w['prompts']} x {w['output']}"
+                )
             rec.update(
                 seconds=seconds,
                 output_tokens=sum(lengths),
