@@ -81,6 +81,7 @@ def generate(
     max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
     stop_token_ids=(),
+    mesh=None,
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` token ids for each prompt on a paged KV cache.
 
@@ -94,13 +95,15 @@ def generate(
       sampling: `SamplingParams` (default greedy).
       seed: PRNG seed of sampling (request i draws from a key of (seed, i)).
       implementation: attention kernels, "reference", "pallas" or "auto".
-      max_batch: sequences served at once (default kv_cache_config.max_batch, else
-        min(len(prompts), 16); never more than the prompts). More prompts than rows, or than
-        the pool holds, are served as rows and slots free up.
+      max_batch: sequences served at once per replica (default kv_cache_config.max_batch,
+        else min(len(prompts), 16); never more than a replica's share of the prompts). More
+        prompts than rows, or than the pool holds, are served as rows and slots free up.
       max_num_tokens: token budget of one step (see `Engine`).
       prefix_cache_rows: rows that park shared prompt prefixes so that prompts sharing a
         block-aligned prefix skip its prefill (see `Engine`); 0 disables the prefix cache.
       stop_token_ids: tokens that end a sequence (returned as its last token).
+      mesh: a `jax.sharding.Mesh` with a "model" axis (tensor parallelism) and optionally a
+        "data" axis (replicas serving disjoint prompts), or None for one device (see `Engine`).
 
     Returns:
       The generated token ids of each prompt, in order.
@@ -114,10 +117,11 @@ def generate(
     prompts = validate_prompts(prompts, config.vocab_size, config.max_context, max_new_tokens)
     if max_batch is not None:
         max_batch = _validate.positive_int("max_batch", max_batch)
-    rows = min(max_batch or cfg.max_batch or 16, len(prompts))
+    replicas = 1 if mesh is None else dict(mesh.shape).get("data", 1)
+    rows = min(max_batch or cfg.max_batch or 16, -(-len(prompts) // replicas))
     longest = max(len(p) for p in prompts) + max_new_tokens
     max_context = min(_round_context(longest, cfg.page_size), config.max_context)
-    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows)
+    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows, mesh)
     engine = ENGINE_CACHE.get(
         model,
         key,
@@ -132,6 +136,7 @@ def generate(
             prefill_chunk_size=prefill_chunk_size,
             implementation=implementation,
             prefix_cache_rows=prefix_cache_rows,
+            mesh=mesh,
         ),
     )
     outputs, _ = engine.run(
