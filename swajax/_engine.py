@@ -803,7 +803,9 @@ class Engine:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
             list(pool.map(lambda job: self._lower(*job).compile(), jobs))
 
-    def _lower(self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None):
+    def _lower(
+        self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None, logits=False
+    ):
         b, s = self.layout.max_batch, self.max_shares
         if self.mesh is None:
             sds = jax.ShapeDtypeStruct
@@ -828,7 +830,7 @@ class Engine:
             sds((b,), jnp.int32),
             sds((b,), jnp.float32),
         )
-        step = self._step_function(decode, False, mode)
+        step = self._step_function(decode, logits, mode)
         args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
         return step.trace(*args).lower(lowering_platforms=lowering_platforms)
 
