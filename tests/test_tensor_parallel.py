@@ -429,3 +429,32 @@ def test_pallas_step_lowers_for_cuda_at_tp_2():
         # The kernels' pool operands are the shards: 8 of 16 sliding KV heads, 2 of 4 full.
         for pages, size, heads, dim in local_pools:
             assert f"tensor<{pages}x{size}x{heads}x{dim}xbf16>" in text
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@no_mesh
+def test_tp_memory_experiment_writes_json(tmp_path):
+    """experiments/tp_memory.py: by-hand figures of Gemma 4 31B (60 layers: 50 sliding with
+    16 KV heads of 256, 10 full with 4 KV heads of 512, bf16) and its JSON."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "tp_memory.py"
+    spec = importlib.util.spec_from_file_location("_experiments_tp_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--out", str(tmp_path)])
+    data = json.loads((tmp_path / "tp_memory.json").read_text())
+    assert len(data["rows"]) == len(module.PRESETS) * len(module.TPS) == len(rows)
+    by = {(r["preset"], r["tp"]): r for r in rows}
+    for tp in module.TPS:
+        r = by["gemma4_31b", tp]
+        assert r["kv_bytes_per_token"]["sliding"] == 50 * 2 * 16 * 256 * 2 // tp
+        # 4 full KV heads: split up to tp = 4, then one whole head per device
+        assert r["kv_bytes_per_token"]["full"] == 10 * 2 * 512 * 2 * max(4 // tp, 1)
+        assert abs(r["param_bytes"] * tp / by["gemma4_31b", 1]["param_bytes"] - 1) < 0.03
+    assert 61e9 < by["gemma4_31b", 1]["param_bytes"] < 62e9  # the issue's 61 GB
+    h100 = [by["gemma4_31b", tp]["devices"]["H100-80GB"]["full_history_tokens"] for tp in (1, 2)]
+    assert h100[1] > 4 * h100[0]  # tp = 2 frees most of an H100 for the pool
