@@ -325,17 +325,33 @@ def _check_device_bytes(reference, engine, tp):
     )
 
 
-def _collectives(text: str) -> list[tuple[str, str]]:
-    """(op, result shape) of every collective of a compiled HLO module."""
-    pattern = r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-    return re.findall(pattern + r"(?:-start)?\(", text)
+def _collectives(text: str) -> list[tuple[str, str, str]]:
+    """(result shape, op, replica groups) of every collective of a compiled HLO module."""
+    op = r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+    groups = r"replica_groups=(mesh\[[^\]]*\] \{[^}]*\}|\[[\d,]*\]<=\[\d+\]|\{[{}\d,]*\})"
+    return re.findall(op + r"(?:-start)?\(.*?" + groups, text)
+
+
+def _over_model_only(groups: str, dp: int, tp: int) -> bool:
+    """Whether HLO replica groups are the rows of tp consecutive devices of a dp x tp mesh:
+    iota form "[dp,tp]<=[dp*tp]", or a mesh form whose grouped axis is the last, of size tp
+    ("mesh['data'=2,'model'=2] {'model'}", "mesh['axis_0'=2,'axis_1'=2] {'axis_1'}")."""
+    if groups in (f"[{dp},{tp}]<=[{dp * tp}]", f"[1,{tp}]<=[{tp}]" if dp == 1 else ""):
+        return True
+    match = re.fullmatch(r"mesh\[(.*)\] \{'(\w+)'\}", groups)
+    if match is None:
+        return False
+    axes = [(a.split("=")[0].strip("'"), int(a.split("=")[1])) for a in match[1].split(",")]
+    sizes = [n for _, n in axes]
+    return axes[-1] == (match[2], tp) and int(np.prod(sizes)) == dp * tp
 
 
 @needs_mesh
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 2)])
 def test_compiled_step_collectives(dp, tp):
-    """The prefill step all-reduces the row-parallel outputs, gathers no pool root and no
-    parameter, and copies no pool root (it updates them in place)."""
+    """The prefill step all-reduces the row-parallel outputs, every collective stays inside
+    one replica's "model" devices, and it gathers no pool root and no parameter and copies no
+    pool root (it updates them in place)."""
     engine = _MESH_ENGINES.get(("gemma4", True, dp, tp))
     if engine is None:
         pytest.skip("needs the engine of test_greedy_tokens_and_logits_equal_one_device")
@@ -343,11 +359,17 @@ def test_compiled_step_collectives(dp, tp):
     bucket = engine.step_buckets()[1][0]
     text = engine._lower(bucket, False, "greedy", logits=True).compile().as_text()
     ops = _collectives(text)
-    assert any(op == "all-reduce" for _, op in ops), ops
+    assert any(op == "all-reduce" for _, op, _ in ops), ops
+    # Over "model" only: groups of tp consecutive device ids, the mesh's rows (one replica each).
+    assert engine.mesh.devices.flatten().tolist() == jax.devices()[: dp * tp]
+    for *_, groups in ops:
+        assert _over_model_only(groups, dp, tp), (groups, ops)
     pools = [p.addressable_shards[0].data.shape for p in engine.state.pools]
     pools += [p.shape for p in engine.state.pools]
+    # Parameters, whole or one layer of a stacked run (the expert weights among them).
     big = {tuple(x.shape) for x in jax.tree.leaves(engine.params) if x.size >= 1024}
-    for shape, op in ops:
+    big |= {s[1:] for s in big if len(s) > 2}
+    for shape, op, _ in ops:
         dims = tuple(int(d) for d in re.findall(r"\d+", shape.split("{")[0]))
         assert dims not in pools, (op, shape)
         assert op != "all-gather" or dims not in big, (op, shape)
