@@ -437,6 +437,7 @@ class Engine:
     def _abort(self, ids) -> None:
         for i in ids:
             self._scheduler_of(i).abort([i])
+            self._replica_of.pop(i, None)
 
     def clear_prefix_cache(self) -> None:
         """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""

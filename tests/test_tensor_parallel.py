@@ -301,6 +301,13 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
     np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(slots) * dp)
     assert all(s._steps > 0 for s in engine.schedulers) and len(engine.schedulers) == dp
     assert stats.num_slots == tuple(dp * n for n in slots)
+    if dp > 1:  # an abort's frees run in the per-replica bookkeeping step
+        rid = engine.add_request(PROMPTS[1], MAX_NEW)
+        engine.step()
+        engine.abort([rid])
+        while engine.has_unfinished_requests:
+            engine.step()
+        np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(slots) * dp)
     _MESH_ENGINES[family, scratch, dp, tp] = engine
     _check_device_bytes(reference, engine, tp)
 
