@@ -427,9 +427,9 @@ def test_more_devices_than_heads_raises():
 
 @needs_mesh
 def test_pallas_step_lowers_for_cuda_at_tp_2():
-    """A Gemma 4 31B-geometry step (small_preset: 32 query heads, sliding K = 16 split, full
-    K = 4 split, head_dim 256 / 512) with the Mosaic GPU kernels under shard_map lowers for
-    CUDA, each kernel on its shard's heads."""
+    """A Gemma 4 31B-geometry prefill step (small_preset: 32 query heads, sliding K = 16
+    split, full K = 4 split, head_dim 256 / 512) with the Mosaic GPU kernels under shard_map
+    lowers for CUDA, each kernel on its shard's heads."""
     from pallas_kernels import _checks
 
     config = configs.small_preset("gemma4_31b")
@@ -449,41 +449,11 @@ def test_pallas_step_lowers_for_cuda_at_tp_2():
     assert engine.layout.scratch
     local_pools = [p.addressable_shards[0].data.shape for p in engine.state.pools]
     assert [s[2] for s in local_pools] == [8, 2]
-    for num_tokens, decode in ((chunk, False), (8, True)):
-        with _checks.force_compiled():
-            text = engine.lower_step(
-                num_tokens, decode=decode, lowering_platforms=("cuda",)
-            ).as_text()
-        assert "mosaic_gpu" in text and "sdy.manual_computation" in text, decode
-        # The kernels' pool operands are the shards: 8 of 16 sliding KV heads, 2 of 4 full.
-        for pages, size, heads, dim in local_pools:
-            assert f"tensor<{pages}x{size}x{heads}x{dim}xbf16>" in text
-
-
-# ----------------------------------------------------------------------------- the table
-
-
-@no_mesh
-def test_tp_memory_experiment_writes_json(tmp_path):
-    """experiments/tp_memory.py: by-hand figures of Gemma 4 31B (60 layers: 50 sliding with
-    16 KV heads of 256, 10 full with 4 KV heads of 512, bf16) and its JSON."""
-    import importlib.util
-    import json
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "tp_memory.py"
-    spec = importlib.util.spec_from_file_location("_experiments_tp_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.main(["--out", str(tmp_path)])
-    data = json.loads((tmp_path / "tp_memory.json").read_text())
-    assert len(data["rows"]) == len(module.PRESETS) * len(module.TPS) == len(rows)
-    by = {(r["preset"], r["tp"]): r for r in rows}
-    for tp in module.TPS:
-        r = by["gemma4_31b", tp]
-        assert r["kv_bytes_per_token"]["sliding"] == 50 * 2 * 16 * 256 * 2 // tp
-        # 4 full KV heads: split up to tp = 4, then one whole head per device
-        assert r["kv_bytes_per_token"]["full"] == 10 * 2 * 512 * 2 * max(4 // tp, 1)
-        assert abs(r["param_bytes"] * tp / by["gemma4_31b", 1]["param_bytes"] - 1) < 0.03
-    assert 61e9 < by["gemma4_31b", 1]["param_bytes"] < 62e9  # the issue's 61 GB
-    h100 = [by["gemma4_31b", tp]["devices"]["H100-80GB"]["full_history_tokens"] for tp in (1, 2)]
-    assert h100[1] > 4 * h100[0]  # tp = 2 frees most of an H100 for the pool
+    # The prefill step (KV write, ragged prefill, page-table gather); the decode kernel's
+    # per-shard GQA groups (2 and 8) equal one device's, lowered by test_preset_lowering.py.
+    with _checks.force_compiled():
+        text = engine.lower_step(chunk, decode=False, lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "sdy.manual_computation" in text
+    # The kernels' pool operands are the shards: 8 of 16 sliding KV heads, 2 of 4 full.
+    for pages, size, heads, dim in local_pools:
+        assert f"tensor<{pages}x{size}x{heads}x{dim}xbf16>" in text
