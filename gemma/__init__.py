@@ -15,6 +15,7 @@ from gemma._checkpoint import (
 from gemma._config import RopeConfig, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention, dense_attention_fn
 from gemma._hf_config import config_from_hf
+from gemma._sharding import init_sharded, param_shardings, partition_specs, shard_model
 from gemma._tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 from gemma._transformer import Transformer
 
@@ -32,9 +33,13 @@ __all__ = [
     "dense_attention",
     "dense_attention_fn",
     "from_pretrained",
+    "init_sharded",
     "load_tokenizer",
+    "param_shardings",
+    "partition_specs",
     "restore_params",
     "save_params",
     "save_pretrained",
     "saved_config",
+    "shard_model",
 ]

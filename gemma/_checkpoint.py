@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from gemma._config import TransformerConfig
 from gemma._hf_config import config_from_hf
@@ -380,6 +381,7 @@ def from_pretrained(
     moe_implementation="ragged",
     strict=True,
     scan_layers=True,
+    mesh=None,
 ) -> Transformer:
     """A `Transformer` loaded from a Hugging Face checkpoint directory.
 
@@ -393,11 +395,14 @@ def from_pretrained(
         The vision / audio tensors of multimodal checkpoints are never an error.
       scan_layers: see `Transformer`; the layers of each repeating run are stacked while
         loading (one host-to-device copy per stacked array).
+      mesh: a `jax.sharding.Mesh` with a "model" axis: every tensor goes from the host straight
+        to its shards (`gemma._sharding`), so no device holds more than its part; None: the
+        default device.
 
     Raises:
       ValueError: a missing or malformed config.json, index or safetensors file (named),
         an unsupported architecture or config, missing, mis-shaped or (strict) unused
-        tensors (all of them named).
+        tensors (all of them named), a mesh whose "model" axis cannot split the heads.
     """
     directory = Path(path)
     hf_config, config = read_hf_config(directory)
@@ -406,6 +411,7 @@ def from_pretrained(
     prefix = _text_prefix(tensors)
     model = abstract_model(config, dtype, param_dtype, moe_implementation, scan_layers)
     param_dtype = model.param_dtype
+    place = _placement(model, mesh)
     entries = _hf_layout(config, model)
     lm_head = next((n for n in _LM_HEAD_NAMES if n in tensors), _LM_HEAD_NAMES[0])
 
@@ -457,12 +463,12 @@ def from_pretrained(
         array = e.to_model(tensors.get(full_name(e.name)))
         assert array.shape == e.var_shape, (e.name, array.shape, e.var_shape)
         if e.index is None:
-            e.var.set_value(jnp.asarray(array, dtype=param_dtype))
+            e.var.set_value(place(e.var, np.asarray(array, dtype=param_dtype)))
             continue
         rows = stacked.setdefault(id(e.var), [e.var, {}])[1]
         rows[e.index] = np.asarray(array, dtype=param_dtype)
         if len(rows) == e.var.shape[0]:  # the run's last layer: one host -> device copy
-            e.var.set_value(jnp.asarray(np.stack([rows.pop(k) for k in sorted(rows)])))
+            e.var.set_value(place(e.var, np.stack([rows.pop(k) for k in sorted(rows)])))
     leftover = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -470,6 +476,17 @@ def from_pretrained(
     ]
     assert not leftover, f"parameters not loaded: {leftover}"
     return model
+
+
+def _placement(model: Transformer, mesh):
+    """place(var, host array) -> the device array of Variable `var` (its shards with a mesh)."""
+    if mesh is None:
+        return lambda var, array: jnp.asarray(array)
+    from gemma._sharding import MODEL, serving_mesh, variable_specs
+
+    mesh = serving_mesh(mesh)
+    specs = variable_specs(model, mesh.shape[MODEL])
+    return lambda var, array: jax.device_put(array, NamedSharding(mesh, specs[id(var)]))
 
 
 def save_pretrained(model: Transformer, path, *, overwrite: bool = False) -> None:
@@ -648,6 +665,7 @@ def restore_params(
     param_dtype=None,
     moe_implementation="ragged",
     scan_layers=None,
+    mesh=None,
 ) -> Transformer:
     """A `Transformer` with the parameters saved by `save_params` at `path`.
 
@@ -658,11 +676,13 @@ def restore_params(
         stored one is an error.
       dtype, param_dtype, moe_implementation: of the model built from a config.
       scan_layers: of the model built from a config (see `Transformer`); None: as saved.
+      mesh: a `jax.sharding.Mesh` with a "model" axis: Orbax reads every array straight into
+        its shards (`gemma._sharding`; a given model's own shardings are then not used).
 
     Raises:
       ValueError: no checkpoint or no stored config at `path`, a config other than the
-        stored one, a checkpoint whose structure or shapes differ from the model's, or
-        unreadable (truncated) checkpoint data.
+        stored one, a checkpoint whose structure or shapes differ from the model's,
+        unreadable (truncated) checkpoint data, or a mesh that cannot split the heads.
     """
     import orbax.checkpoint as ocp
     from etils import epath
@@ -692,6 +712,15 @@ def restore_params(
         raise TypeError(
             "config_or_model must be None, a TransformerConfig or a Transformer, got "
             f"{type(config_or_model).__name__}"
+        )
+    if mesh is not None:
+        from gemma._sharding import param_shardings
+
+        shardings = param_shardings(nnx.merge(graphdef, abstract_state), mesh)
+        abstract_state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_state,
+            shardings,
         )
     if given != stored:
         differ = [

@@ -270,6 +270,13 @@ class Transformer(nnx.Module):
             raise ValueError(f"{name!r} of layer {i} is a {type(obj).__name__}, not an array")
         return obj, index
 
+    def partition_specs(self, tp: int) -> nnx.State:
+        """The PartitionSpec of every leaf of the model's state over tp tensor-parallel devices
+        (mesh axis "model"; see `gemma._sharding`). ValueError when tp cannot split the heads."""
+        from gemma._sharding import partition_specs  # imports this module
+
+        return partition_specs(self, tp)
+
     @property
     def num_params(self) -> int:
         """Number of parameters (nnx.Param leaves; buffers such as layer scalars excluded)."""

@@ -1,8 +1,9 @@
 """The KV byte budget: quota, its split into slots per pool group, and per-sequence KV bytes.
 
 Owns (DESIGN.md "Budget"):
-  - `kv_quota_bytes`: the byte quota of all pool roots (max_gpu_total_bytes and/or a fraction of
-    the device's free memory).
+  - `kv_quota_bytes`: the byte quota of all pool roots on one device (max_gpu_total_bytes and/or
+    a fraction of the device's free memory); with tensor parallelism every byte count of the
+    layout is per device too (`KVLayout.tp`), so slots come from a slot's per-device bytes.
   - `quota_for_tokens` / per-group demand: Q(T) = T*F + min(T, M)*S_ctx + B*R_w, the bytes a
     batch of B sequences holding T tokens of history with prefill chunk M needs.
   - `plan_num_slots`: slots per pool group from the quota, split by the pinned `pool_ratio` or by

@@ -29,7 +29,8 @@ class KVCacheConfig:
 
     Attributes:
       page_size: tokens per block (tpb); 16, 32 and 64 are the tested sizes.
-      max_gpu_total_bytes: byte quota of all pool roots together, or None.
+      max_gpu_total_bytes: byte quota of all pool roots together, or None. With a mesh
+        (`Engine(..., mesh=)`) the quota is per device: the pool roots' shards on one device.
       free_gpu_memory_fraction: fraction in (0, 1] of the device's free memory to use for pool
         roots, or None. With both set the quota is the smaller of the two; with neither,
         `DEFAULT_FREE_MEMORY_FRACTION` of free memory. On a device without memory statistics (CPU)

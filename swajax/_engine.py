@@ -10,6 +10,11 @@ always has the next step queued while the host reads results and plans (decode r
 input token from the previous step's output on the device). `Engine.run` and `Engine.stream`
 are loops over `step`; `swajax.generate` is `run` on a fresh engine.
 
+Several devices (`mesh=`, see `swajax._sharding`): the parameters are split over the mesh's
+"model" axis, the pool roots over KV heads; with a "data" axis each replica has its own pool,
+slot ledger and scheduler, a request goes to the replica holding the fewest requests, and one
+compiled step runs every replica.
+
 Robustness: the donating step call defers SIGINT until the new state is held; an exception or
 KeyboardInterrupt inside `run` / `stream` aborts that call's requests and frees their rows, so
 the engine stays usable and leaks no slot (if the state itself was lost, the pool is rebuilt
@@ -30,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
-from swajax import _validate
+from swajax import _sharding, _validate
 from swajax._budget import request_slots
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import KVCacheConfig, resolve_scratch_policy
@@ -41,12 +47,20 @@ from swajax._runner import (
     StepInputs,
     bookkeeping_step,
     initial_tables,
+    sharded_bookkeeping_step,
     step_function,
     step_inputs,
     trace_count,
 )
 from swajax._sampling import SamplingParams, request_key_data, step_mode
-from swajax._scheduler import FINISHED, Request, Scheduler, default_headroom
+from swajax._scheduler import (
+    FINISHED,
+    Request,
+    Scheduler,
+    SchedulerCounters,
+    StepPlan,
+    default_headroom,
+)
 from swajax._state import init_state
 
 MIN_BUCKET = 8
@@ -90,9 +104,9 @@ class RunStats:
 
     Slots: `peak_slots` / `mean_slots` per pool group (held after each step's reserve),
     `step_slots` the slots held per group after each step's reserve (the occupancy over the
-    run), `num_slots` the pool's. Latency: `ttft_s` per request (from its admission to the
-    queue to its first token on the host) and `itl_s` (gaps between its tokens), with `ttft` /
-    `itl` summaries (mean, p50, p99).
+    run), `num_slots` the pool's (with several replicas: summed over their pools). Latency:
+    `ttft_s` per request (from its admission to the queue to its first token on the host) and
+    `itl_s` (gaps between its tokens), with `ttft` / `itl` summaries (mean, p50, p99).
     """
 
     steps: int = 0
@@ -181,6 +195,13 @@ class Engine:
         running rows to grow (at least one slot; none when nothing else runs).
       precompile: compile the greedy prefill and decode steps now (in parallel threads)
         instead of at their first use.
+      mesh: a `jax.sharding.Mesh` with an axis "model" (tensor parallelism over tp devices)
+        and optionally "data" (dp replicas, each serving max_batch rows from its own pool);
+        None: one device. The model must provide `partition_specs(tp)` (as
+        `gemma.Transformer` does); its parameters are moved to their shardings. The byte
+        quota of `kv_cache_config` is then per device, and each replica's pool is sized from
+        the per-device bytes of a slot (`KVLayout.tp`). ValueError for a mesh without "model"
+        or a tp that cannot split the query or KV heads evenly.
 
     Compiled steps are shared by every engine of the same model structure and layout (the
     layout is deterministic: see `swajax._budget.round_quota`), and JAX's persistent
@@ -202,6 +223,7 @@ class Engine:
         prefix_cache_rows: int = 0,
         admission_headroom: float = 0.01,
         precompile: bool = False,
+        mesh=None,
     ):
         enable_default_cache()
         config = model.config
@@ -232,6 +254,15 @@ class Engine:
             is_multimodal=getattr(config, "is_multimodal", False),
             has_external_kv_draft=getattr(config, "has_external_kv_draft", False),
         )
+        self.mesh = None if mesh is None else _sharding.serving_mesh(mesh)
+        self.num_replicas, tp = (1, 1) if mesh is None else _sharding.mesh_sizes(self.mesh)
+        param_specs = None
+        if self.mesh is not None:
+            if not callable(getattr(model, "partition_specs", None)):
+                raise TypeError(
+                    f"a mesh needs a model with partition_specs(tp), got {type(model).__name__}"
+                )
+            param_specs = model.partition_specs(tp)  # ValueError for tp vs query heads
         self.layout = make_layout(
             config.layer_specs,
             cfg,
@@ -239,6 +270,7 @@ class Engine:
             max_batch=max_batch + prefix_cache_rows,
             max_chunk=chunk,
             scratch=scratch,
+            tp=tp,
         )
         self.serving_rows = max_batch
         self.max_num_tokens = max_num_tokens
@@ -249,6 +281,9 @@ class Engine:
         self.max_shares = min(16, max_batch + prefix_cache_rows) if prefix_cache_rows else 0
         self.headroom = default_headroom(self.num_slots, admission_headroom)
         self.graphdef, self.params = nnx.split(model)
+        if param_specs is not None:
+            shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), param_specs)
+            self.params = jax.device_put(self.params, shardings)
         self._steps: dict = {}
         self._ran: set = set()  # step variants (`_variant`) this engine has dispatched
         self._lock = threading.RLock()
@@ -259,20 +294,31 @@ class Engine:
             self.precompile()
 
     def _reset_pool(self) -> None:
-        """A fresh pool, ledger and scheduler (every queued request is dropped)."""
-        self.state = init_state(self.layout)
-        # The previous step's page tables, updated in place by the gather (per_layer mode).
-        self.tables = initial_tables(self.layout)
-        self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
-        self.ledger = SlotLedger(self.layout)
-        self.scheduler = Scheduler(
-            self.ledger,
-            serving_rows=self.serving_rows,
-            max_num_tokens=self.max_num_tokens,
-            chunk=self.chunk,
-            headroom=self.headroom,
-            max_shares=self.max_shares,
-        )
+        """A fresh pool, ledger and scheduler per replica (every queued request is dropped)."""
+        if self.mesh is None:
+            self.state = init_state(self.layout)
+            # The previous step's page tables, updated in place by the gather (per_layer mode).
+            self.tables = initial_tables(self.layout)
+            self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
+        else:  # every replica's, concatenated along the first axis
+            self.state = _sharding.init_state_sharded(self.layout, self.mesh)
+            self.tables = _sharding.initial_tables_sharded(self.layout, self.mesh)
+            self._prev_tokens = jax.device_put(
+                np.zeros((self.num_replicas * self.layout.max_batch,), np.int32),
+                _sharding.replica_sharding(self.mesh),
+            )
+        self.schedulers = [
+            Scheduler(
+                SlotLedger(self.layout),
+                serving_rows=self.serving_rows,
+                max_num_tokens=self.max_num_tokens,
+                chunk=self.chunk,
+                headroom=self.headroom,
+                max_shares=self.max_shares,
+            )
+            for _ in range(self.num_replicas)
+        ]
+        self._replica_of: dict[int, int] = {}  # request id -> replica
         self._in_flight = None
         self._timing: dict[int, _Timing] = {}
         self._unclaimed: list[RequestOutput] = []
@@ -288,11 +334,22 @@ class Engine:
 
     @property
     def num_slots(self) -> tuple[int, ...]:
+        """Slots per pool group of one replica's pool."""
         return tuple(g.num_slots for g in self.layout.groups)
 
     @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler (of replica 0 with a "data" axis: see `schedulers`)."""
+        return self.schedulers[0]
+
+    @property
+    def ledger(self) -> SlotLedger:
+        """The slot ledger (of replica 0 with a "data" axis)."""
+        return self.schedulers[0].ledger
+
+    @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        return any(s.has_work for s in self.schedulers) or self._in_flight is not None
 
     # ------------------------------------------------------------------ requests
 
@@ -344,7 +401,9 @@ class Engine:
     def _queue(self, requests: Sequence[Request]) -> list[int]:
         now = time.perf_counter()
         for r in requests:
-            self.scheduler.add(r)
+            replica = min(range(self.num_replicas), key=lambda i: len(self.schedulers[i].requests))
+            self.schedulers[replica].add(r)
+            self._replica_of[r.id] = replica
             self._timing[r.id] = _Timing(now)
         return [r.id for r in requests]
 
@@ -369,24 +428,33 @@ class Engine:
         """Drops these requests (unknown ids raise ValueError); their rows are freed."""
         with self._lock:
             ids = list(request_ids)
-            unknown = [i for i in ids if i not in self.scheduler.requests]
+            unknown = [i for i in ids if i not in self._scheduler_of(i).requests]
             if unknown:
                 raise ValueError(f"unknown request ids {unknown[:5]}")
-            self.scheduler.abort(ids)
+            self._abort(ids)
             self._flush_bookkeeping()
+
+    def _scheduler_of(self, request_id: int) -> Scheduler:
+        return self.schedulers[self._replica_of.get(request_id, 0)]
+
+    def _abort(self, ids) -> None:
+        for i in ids:
+            self._scheduler_of(i).abort([i])
+            self._replica_of.pop(i, None)
 
     def clear_prefix_cache(self) -> None:
         """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
         with self._lock:
-            self.scheduler.clear_cache()
+            for s in self.schedulers:
+                s.clear_cache()
             self._flush_bookkeeping()
 
     # ------------------------------------------------------------------ steps
 
-    def _bucket(self, plan) -> tuple[int, bool]:
-        if plan.decode_only:
+    def _bucket(self, plans) -> tuple[int, bool]:
+        if all(p.decode_only for p in plans):
             return _round_up(max(self.serving_rows, 1), MIN_BUCKET), True
-        n = max(plan.num_tokens, self.min_prefill_bucket, MIN_BUCKET)
+        n = max(max(p.num_tokens for p in plans), self.min_prefill_bucket, MIN_BUCKET)
         return min(1 << (n - 1).bit_length(), self.max_num_tokens), False
 
     def _step_function(self, decode: bool, logits: bool, mode: str):
@@ -399,64 +467,102 @@ class Engine:
                 implementation=self.implementation,
                 sampling_mode=mode,
                 logits=logits,
+                mesh=self.mesh,
             )
         return self._steps[key]
 
-    def _variant(self, plan) -> tuple:
-        """(token bucket, decode, logits, sampling mode): which compiled step runs `plan`."""
-        num_tokens, decode = self._bucket(plan)
-        mode = step_mode([r.sampling for r, _ in plan.samples.values()])
-        logits = self._stats is not None and self._stats.step_logits is not None
-        return max(num_tokens, plan.num_tokens), decode, logits, mode
+    def _full_plans(self, plans) -> list[StepPlan]:
+        """Every replica's plan, an idle one (no tokens, no bookkeeping) where it has none."""
+        return [
+            StepPlan(s._steps, {}, {}, {}, used=s.ledger.used()) if p is None else p
+            for s, p in zip(self.schedulers, plans, strict=True)
+        ]
 
-    def _dispatch(self, plan) -> None:
-        num_tokens, decode, logits, mode = variant = self._variant(plan)
+    def _device_inputs(self, inputs: list):
+        """One replica's inputs as they are; with a mesh, every replica's concatenated."""
+        if self.mesh is None:
+            return inputs[0]
+        joined = jax.tree.map(lambda *x: np.concatenate(x), *inputs)
+        return jax.device_put(joined, _sharding.replica_sharding(self.mesh))
+
+    def _variant(self, plans) -> tuple:
+        """(token bucket, decode, logits, sampling mode): which compiled step runs `plans`."""
+        plans = [p for p in plans if p is not None and p.new_tokens]
+        num_tokens, decode = self._bucket(plans)
+        mode = step_mode([r.sampling for p in plans for r, _ in p.samples.values()])
+        logits = self._stats is not None and self._stats.step_logits is not None
+        return max([num_tokens] + [p.num_tokens for p in plans]), decode, logits, mode
+
+    def _dispatch(self, plans) -> None:
+        num_tokens, decode, logits, mode = variant = self._variant(plans)
         self._ran.add(variant)
-        inputs = step_inputs(
-            plan,
-            num_tokens=num_tokens,
-            max_batch=self.layout.max_batch,
-            max_shares=self.max_shares,
-            sampling=lambda r: r.sampling.row_values(),
-        )
+        plans = self._full_plans(plans)
+        inputs = [
+            step_inputs(
+                plan,
+                num_tokens=num_tokens,
+                max_batch=self.layout.max_batch,
+                max_shares=self.max_shares,
+                sampling=lambda r: r.sampling.row_values(),
+            )
+            for plan in plans
+        ]
         step = self._step_function(decode, logits, mode)
+        inputs = self._device_inputs(inputs)
         with _sigint_deferred():
             out = step(self.params, self.state, self.tables, self._prev_tokens, inputs)
             self.state, self.tables, self._prev_tokens = out.state, out.tables, out.next_tokens
-        self._in_flight = (plan, out)
+        self._in_flight = (plans, out)
         stats = self._stats
         if stats is not None:
             stats.steps += 1
-            for row, n in plan.new_tokens.items():
-                if n > 1 or row not in plan.samples or plan.samples[row][1] == 0:
-                    stats.prefill_tokens += n
-                else:
-                    stats.decode_tokens += n
-            stats.max_concurrent = max(stats.max_concurrent, len(plan.new_tokens))
-            stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, plan.used))
-            stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, plan.used))
-            stats.step_slots.append(tuple(int(x) for x in plan.used))
+            for plan in plans:
+                for row, n in plan.new_tokens.items():
+                    if n > 1 or row not in plan.samples or plan.samples[row][1] == 0:
+                        stats.prefill_tokens += n
+                    else:
+                        stats.decode_tokens += n
+            used = np.sum([p.used for p in plans], axis=0)  # over the replicas
+            stats.max_concurrent = max(stats.max_concurrent, sum(len(p.new_tokens) for p in plans))
+            stats.peak_slots = tuple(int(x) for x in np.maximum(stats.peak_slots, used))
+            stats.slot_steps = tuple(int(x) for x in np.add(stats.slot_steps, used))
+            stats.step_slots.append(tuple(int(x) for x in used))
 
     def _collect(self) -> list[RequestOutput]:
         """Reads the step in flight and records its tokens; returns the outputs."""
         if self._in_flight is None:
             return []
-        plan, out = self._in_flight
+        plans, out = self._in_flight
         self._in_flight = None
-        next_tokens = np.asarray(out.next_tokens)
-        if not bool(out.ok):
-            raise RuntimeError(
-                "internal error: a step's slot reservation or prefix share failed on the "
-                f"device although the host ledger planned it (new_tokens={plan.new_tokens})"
+        # Per replica (one without a mesh; with one, the replicas' outputs are concatenated).
+        dp = self.num_replicas
+        next_tokens = np.asarray(out.next_tokens).reshape(dp, -1)
+        ok, used = np.asarray(out.ok).reshape(dp), np.asarray(out.used).reshape(dp, -1)
+        logits = None if out.logits is None else out.logits.reshape(dp, -1, out.logits.shape[-1])
+        for plan, ok_r, used_r in zip(plans, ok, used, strict=True):
+            if not bool(ok_r):
+                raise RuntimeError(
+                    "internal error: a step's slot reservation or prefix share failed on the "
+                    "device although the host ledger planned it "
+                    f"(new_tokens={plan.new_tokens})"
+                )
+            if tuple(int(x) for x in used_r) != tuple(plan.used):
+                raise RuntimeError(
+                    f"internal error: the device holds {tuple(used_r)} slots per group, the "
+                    f"ledger {plan.used}"
+                )
+        outputs = []
+        for i, plan in enumerate(plans):
+            outputs += self._collect_replica(
+                i, plan, next_tokens[i], None if logits is None else logits[i]
             )
-        used = tuple(int(x) for x in np.asarray(out.used))
-        if used != tuple(plan.used):
-            raise RuntimeError(
-                f"internal error: the device holds {used} slots per group, the ledger {plan.used}"
-            )
+        return outputs
+
+    def _collect_replica(self, replica: int, plan, next_tokens, logits) -> list[RequestOutput]:
+        scheduler = self.schedulers[replica]
         tokens = {row: int(next_tokens[row]) for row in plan.samples}
         before = {row: len(r.output) for row, (r, _) in plan.samples.items()}
-        changed = self.scheduler.on_sampled(plan, tokens)
+        changed = scheduler.on_sampled(plan, tokens)
         now = time.perf_counter()
         stats = self._stats
         outputs = []
@@ -470,40 +576,48 @@ class Engine:
                     stats.ttft_s.append(now - timing.added)
                 else:
                     stats.itl_s.append(now - timing.last)
-                if stats.step_logits is not None and out.logits is not None:
+                if stats.step_logits is not None and logits is not None:
                     stats.step_logits.append(
-                        (self._logit_rows.get(r.id, r.id), before[row], np.asarray(out.logits[row]))
+                        (self._logit_rows.get(r.id, r.id), before[row], np.asarray(logits[row]))
                     )
             timing.last = now
             new = tuple(r.output[before[row] :])
             finished = r.status == FINISHED
             outputs.append(RequestOutput(r.id, new, tuple(r.output), finished, r.finish_reason))
             if finished:
-                self.scheduler.requests.pop(r.id, None)
+                scheduler.requests.pop(r.id, None)
+                self._replica_of.pop(r.id, None)
                 self._timing.pop(r.id, None)
         return outputs
 
-    def _apply_bookkeeping(self, plan) -> None:
-        """Runs a plan without tokens (frees and shares only) on the device."""
-        inputs = step_inputs(
-            plan,
-            num_tokens=0,
-            max_batch=self.layout.max_batch,
-            max_shares=self.max_shares,
-            sampling=lambda r: (0.0, 0, 1.0),
-        )
-        with _sigint_deferred():
-            ok, self.state = bookkeeping_step(
-                self.layout, self.state, inputs.free_a, inputs.shares_a, inputs.free_b
+    def _apply_bookkeeping(self, plans) -> None:
+        """Runs plans without tokens (frees and shares only) on the device."""
+        inputs = [
+            step_inputs(
+                plan,
+                num_tokens=0,
+                max_batch=self.layout.max_batch,
+                max_shares=self.max_shares,
+                sampling=lambda r: (0.0, 0, 1.0),
             )
-        if not bool(ok):
+            for plan in self._full_plans(plans)
+        ]
+        inputs = self._device_inputs(inputs)
+        args = (inputs.free_a, inputs.shares_a, inputs.free_b)
+        with _sigint_deferred():
+            if self.mesh is None:
+                ok, self.state = bookkeeping_step(self.layout, self.state, *args)
+            else:
+                step = sharded_bookkeeping_step(self.layout, self.mesh)
+                ok, self.state = step(self.state, *args)
+        if not bool(np.all(np.asarray(ok))):
             raise RuntimeError("internal error: a bookkeeping share failed on the device")
 
     def _flush_bookkeeping(self) -> None:
-        """Frees on the device now the rows the scheduler released outside a step."""
-        plan = self.scheduler.bookkeeping_plan()
-        if plan is not None:
-            self._apply_bookkeeping(plan)
+        """Frees on the device now the rows the schedulers released outside a step."""
+        plans = [s.bookkeeping_plan() for s in self.schedulers]
+        if any(p is not None for p in plans):
+            self._apply_bookkeeping(plans)
 
     def _drain(self) -> None:
         """Reads the step in flight; its outputs come with the next `step()`."""
@@ -519,22 +633,25 @@ class Engine:
         with self._lock:
             outputs, self._unclaimed = self._unclaimed, []
             previous, self._in_flight = self._in_flight, None
-            plan = self.scheduler.schedule() if self.scheduler.has_work else None
-            if plan is not None and plan.new_tokens and self._variant(plan) not in self._ran:
-                # This step's shape has not run on this engine, so dispatching it may compile
-                # for seconds: read the step in flight first, so that its tokens (often a
-                # request's first) do not wait for the compile.
-                self._in_flight, previous = previous, None
-                outputs += self._collect()
-            if plan is not None:
-                if plan.new_tokens:
-                    self._dispatch(plan)
-                else:
-                    self._apply_bookkeeping(plan)
+            plans = [s.schedule() if s.has_work else None for s in self.schedulers]
+            if any(p is not None and p.new_tokens for p in plans):
+                if self._variant(plans) not in self._ran:
+                    # This step's shape has not run on this engine, so dispatching it may
+                    # compile for seconds: read the step in flight first, so that its tokens
+                    # (often a request's first) do not wait for the compile.
+                    self._in_flight, previous = previous, None
+                    outputs += self._collect()
+                self._dispatch(plans)
+            elif any(p is not None for p in plans):
+                self._apply_bookkeeping(plans)
             current, self._in_flight = self._in_flight, previous
             outputs += self._collect()
             self._in_flight = current
-            if plan is None and previous is None and self.scheduler.has_work:
+            if (
+                all(p is None for p in plans)
+                and previous is None
+                and any(s.has_work for s in self.schedulers)
+            ):
                 raise RuntimeError(
                     "internal error: requests are queued but the scheduler planned no step"
                 )
@@ -567,7 +684,7 @@ class Engine:
             self._drain()
         except Exception:  # noqa: BLE001 - the step itself failed; its state is still held
             self._in_flight = None
-        self.scheduler.abort([i for i in ids if i in self.scheduler.requests])
+        self._abort([i for i in ids if i in self._scheduler_of(i).requests])
         self._flush_bookkeeping()
         self._unclaimed = [o for o in self._unclaimed if o.request_id not in set(ids)]
 
@@ -610,7 +727,7 @@ class Engine:
         """
         with self._lock:
             ids = list(request_ids)
-            unknown = [i for i in ids if i not in self.scheduler.requests]
+            unknown = [i for i in ids if not any(i in s.requests for s in self.schedulers)]
             if unknown:
                 raise ValueError(f"request ids {unknown[:5]} are not queued or running")
             remaining = set(ids)
@@ -678,11 +795,11 @@ class Engine:
         with self._lock:
             if self._stats is not None:
                 raise RuntimeError("this engine is already recording a RunStats")
-            stats = RunStats(num_slots=self.num_slots)
+            stats = RunStats(num_slots=tuple(n * self.num_replicas for n in self.num_slots))
             zeros = (0,) * len(self.num_slots)
             stats.peak_slots, stats.slot_steps = zeros, zeros
             stats.step_logits = [] if collect_logits else None
-            counters = dataclasses.replace(self.scheduler.counters)
+            counters = self._counters()
             self._stats = stats
             self._logit_rows = {}
             t0 = time.perf_counter()
@@ -690,12 +807,21 @@ class Engine:
                 yield stats
             finally:
                 stats.seconds = time.perf_counter() - t0
-                c = self.scheduler.counters
+                c = self._counters()
                 stats.preemptions = c.preemptions - counters.preemptions
                 stats.evictions = c.evictions - counters.evictions
                 stats.prefix_hits = c.prefix_hits - counters.prefix_hits
                 stats.prefix_tokens = c.prefix_tokens - counters.prefix_tokens
                 self._stats, self._logit_rows = None, None
+
+    def _counters(self) -> SchedulerCounters:
+        """The schedulers' counters, summed over the replicas."""
+        return SchedulerCounters(
+            **{
+                f.name: sum(getattr(s.counters, f.name) for s in self.schedulers)
+                for f in dataclasses.fields(SchedulerCounters)
+            }
+        )
 
     # ------------------------------------------------------------------ compilation
 
@@ -718,9 +844,19 @@ class Engine:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
             list(pool.map(lambda job: self._lower(*job).compile(), jobs))
 
-    def _lower(self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None):
+    def _lower(
+        self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None, logits=False
+    ):
         b, s = self.layout.max_batch, self.max_shares
-        sds = jax.ShapeDtypeStruct
+        if self.mesh is None:
+            sds = jax.ShapeDtypeStruct
+        else:  # every replica's inputs, stacked
+
+            def sds(shape, dtype):
+                shape = (self.num_replicas * shape[0], *shape[1:])
+                sharding = _sharding.replica_sharding(self.mesh)
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
         inputs = StepInputs(
             sds((num_tokens,), jnp.int32),
             sds((num_tokens,), jnp.int32),
@@ -735,7 +871,7 @@ class Engine:
             sds((b,), jnp.int32),
             sds((b,), jnp.float32),
         )
-        step = self._step_function(decode, False, mode)
+        step = self._step_function(decode, logits, mode)
         args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
         return step.trace(*args).lower(lowering_platforms=lowering_platforms)
 

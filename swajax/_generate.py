@@ -81,6 +81,7 @@ def generate(
     max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
     stop_token_ids=(),
+    mesh=None,
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` token ids for each prompt on a paged KV cache.
 
@@ -94,13 +95,15 @@ def generate(
       sampling: `SamplingParams` (default greedy).
       seed: PRNG seed of sampling (request i draws from a key of (seed, i)).
       implementation: attention kernels, "reference", "pallas" or "auto".
-      max_batch: sequences served at once (default kv_cache_config.max_batch, else
-        min(len(prompts), 16); never more than the prompts). More prompts than rows, or than
-        the pool holds, are served as rows and slots free up.
+      max_batch: sequences served at once per replica (default kv_cache_config.max_batch,
+        else min(len(prompts), 16); never more than a replica's share of the prompts). More
+        prompts than rows, or than the pool holds, are served as rows and slots free up.
       max_num_tokens: token budget of one step (see `Engine`).
       prefix_cache_rows: rows that park shared prompt prefixes so that prompts sharing a
         block-aligned prefix skip its prefill (see `Engine`); 0 disables the prefix cache.
       stop_token_ids: tokens that end a sequence (returned as its last token).
+      mesh: a `jax.sharding.Mesh` with a "model" axis (tensor parallelism) and optionally a
+        "data" axis (replicas serving disjoint prompts), or None for one device (see `Engine`).
 
     Returns:
       The generated token ids of each prompt, in order.
@@ -121,6 +124,7 @@ def generate(
         max_batch=max_batch,
         max_num_tokens=max_num_tokens,
         prefix_cache_rows=prefix_cache_rows,
+        mesh=mesh,
     )
     outputs, _ = engine.run(
         prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
@@ -138,21 +142,24 @@ def cached_engine(
     max_batch: int | None = None,
     max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
+    mesh=None,
 ) -> Engine:
     """The engine that serves requests of `request_lengths` tokens (prompt + new tokens).
 
     The kept engine (`ENGINE_CACHE`) when its settings match and its context and rows suffice,
-    else a new one, which is then kept. Rows: max_batch (default kv_cache_config.max_batch,
-    else 16), never more than the requests; context: the longest request rounded up to a
+    else a new one, which is then kept. Rows per replica: max_batch (default
+    kv_cache_config.max_batch, else 16), never more than a replica's share of the requests;
+    context: the longest request rounded up to a
     power-of-two number of blocks, at most the model's. The other arguments: see `generate`.
     """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
     if max_batch is not None:
         max_batch = _validate.positive_int("max_batch", max_batch)
-    rows = min(max_batch or cfg.max_batch or 16, len(request_lengths))
+    replicas = 1 if mesh is None else dict(mesh.shape).get("data", 1)
+    rows = min(max_batch or cfg.max_batch or 16, -(-len(request_lengths) // replicas))
     max_context = min(_round_context(max(request_lengths), cfg.page_size), config.max_context)
-    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows)
+    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows, mesh)
     return ENGINE_CACHE.get(
         model,
         key,
@@ -167,5 +174,6 @@ def cached_engine(
             prefill_chunk_size=prefill_chunk_size,
             implementation=implementation,
             prefix_cache_rows=prefix_cache_rows,
+            mesh=mesh,
         ),
     )

@@ -59,9 +59,32 @@ class Converter:
         return jnp.where(slot == -1, -1, slot * self.scale + self.layer_offset)
 
 
+def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads of a pool root split over `tp` tensor-parallel devices (one device: all).
+
+    `num_kv_heads % tp == 0`: the heads themselves, `num_kv_heads / tp` per device.
+    `tp % num_kv_heads == 0`: `tp` heads, KV head h repeated at stored heads
+    [h * tp / K, (h + 1) * tp / K), one per device: each device holds the one KV head its
+    query heads read (query head n reads KV head n // (N / K)), so K = 1 is full replication.
+    Any other pair cannot give every device whole KV heads: ValueError.
+    """
+    if num_kv_heads % tp == 0:
+        return num_kv_heads
+    if tp % num_kv_heads == 0:
+        return tp
+    raise ValueError(
+        f"tensor-parallel size {tp} (the mesh's 'model' axis) must divide the {num_kv_heads} KV "
+        f"heads of a pool or be a multiple of {num_kv_heads}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
-    """One pool root: the writer layers of one (life cycle, head geometry)."""
+    """One pool root: the writer layers of one (life cycle, head geometry).
+
+    With `tp` > 1 tensor-parallel devices the root holds `stored_kv_heads` heads, sharded over
+    them (`device_kv_heads` each; see `stored_kv_heads`); byte counts are per device.
+    """
 
     group: int
     layers: tuple[int, ...]  # model layer indices of the writers, in order (j = position)
@@ -69,6 +92,7 @@ class PoolSpec:
     head_dim: int
     dtype: str
     num_slots: int
+    tp: int = 1
 
     @property
     def scale(self) -> int:
@@ -83,13 +107,23 @@ class PoolSpec:
     def num_pages(self) -> int:
         return self.num_slots * self.scale
 
+    @property
+    def stored_kv_heads(self) -> int:
+        """KV heads of the pool root (the model's, or repeated up to `tp`)."""
+        return stored_kv_heads(self.num_kv_heads, self.tp)
+
+    @property
+    def device_kv_heads(self) -> int:
+        """KV heads of the pool root on one device."""
+        return self.stored_kv_heads // self.tp
+
     def shape(self, page_size: int) -> tuple[int, int, int, int]:
-        """Pool root shape [num_slots * scale, page_size, kv_heads, head_dim]."""
-        return (self.num_pages, page_size, self.num_kv_heads, self.head_dim)
+        """Pool root shape [num_slots * scale, page_size, stored_kv_heads, head_dim] (global)."""
+        return (self.num_pages, page_size, self.stored_kv_heads, self.head_dim)
 
     def bytes_per_token_per_layer(self) -> int:
-        """K + V bytes of one token of one layer of this pool."""
-        return 2 * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        """K + V bytes of one token of one layer of this pool, on one device."""
+        return 2 * self.device_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +164,8 @@ class KVLayout:
       pools: pool roots, in order of first layer.
       layer_pool: per model layer, (pool, j) of the pages it reads (the writer's for KV-shared
         layers).
+      tp: tensor-parallel devices the pool roots' KV heads are split over (`PoolSpec.tp`);
+        every byte count of the layout (`slot_bytes`, `pool_bytes`) is per device.
     """
 
     layer_specs: tuple[LayerSpec, ...]
@@ -144,6 +180,7 @@ class KVLayout:
     groups: tuple[GroupSpec, ...]
     pools: tuple[PoolSpec, ...]
     layer_pool: tuple[tuple[int, int], ...]
+    tp: int = 1
 
     @property
     def max_blocks(self) -> int:
@@ -170,14 +207,14 @@ class KVLayout:
         return self.layer_specs[layer].kv_source == layer
 
     def slot_bytes(self, group: int) -> int:
-        """Bytes of one slot of group `group` (over all its pools)."""
+        """Bytes of one slot of group `group` (over all its pools) on one device."""
         return sum(
             self.pools[p].scale * self.page_size * self.pools[p].bytes_per_token_per_layer() // 2
             for p in self.groups[group].pools
         )
 
     def pool_bytes(self) -> int:
-        """Bytes of all pool roots."""
+        """Bytes of all pool roots on one device."""
         return sum(g.num_slots * self.slot_bytes(i) for i, g in enumerate(self.groups))
 
     def min_scale(self, group: int) -> int:
@@ -249,6 +286,7 @@ def make_layout(
     max_chunk: int | None = None,
     num_slots: int | Sequence[int] | None = None,
     scratch: bool | None = None,
+    tp: int = 1,
 ) -> KVLayout:
     """Builds the layout of a model's KV cache.
 
@@ -263,10 +301,14 @@ def make_layout(
         tests and tools). Default: the budget (`swajax._budget.plan_num_slots`).
       scratch: the resolved scratch policy; None -> `resolve_scratch_policy(kv_cache_config)`
         for a text model with a per-layer backend.
+      tp: tensor-parallel devices each pool root's KV heads are split over (see
+        `stored_kv_heads`); the byte budget is then per device (`max_gpu_total_bytes` is a
+        per-device quota) and slot counts come from the per-device bytes of a slot.
 
     Raises:
       ValueError: on inconsistent specs or settings, a KV-shared reader whose writer's scratch
-        pages may be overwritten before it runs, or a budget too small for one slot per group.
+        pages may be overwritten before it runs, a budget too small for one slot per group, or
+        a tp that neither divides nor is a multiple of a pool's KV heads.
     """
     cfg = KVCacheConfig() if kv_cache_config is None else kv_cache_config
     if not isinstance(cfg, KVCacheConfig):
@@ -284,6 +326,8 @@ def make_layout(
         max_chunk = min(cfg.chunk_size or max_context, max_context)
     if not isinstance(max_chunk, int) or max_chunk < 1:
         raise ValueError(f"max_chunk must be an int >= 1, got {max_chunk!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     if scratch is None:
         scratch = resolve_scratch_policy(cfg)
     elif scratch and cfg.page_table_mode != "per_layer":
@@ -329,9 +373,11 @@ def make_layout(
         groups.append(GroupSpec(lc[0], lc[1], pools_of, 0, n_scratch, scratch_blocks))
 
     pools = tuple(
-        PoolSpec(life_cycles.index(key[0]), tuple(pool_layers[p]), key[1], key[2], dtype, 0)
+        PoolSpec(life_cycles.index(key[0]), tuple(pool_layers[p]), key[1], key[2], dtype, 0, tp)
         for p, key in enumerate(pool_keys)
     )
+    for pool in pools:  # ValueError for a tp that gives some device a part of a KV head
+        stored_kv_heads(pool.num_kv_heads, tp)
     if scratch:
         _check_shared_kv_scratch(specs, layer_pool, pools)
 
@@ -348,6 +394,7 @@ def make_layout(
         groups=tuple(groups),
         pools=pools,
         layer_pool=layer_pool,
+        tp=tp,
     )
     if num_slots is None:
         from swajax._budget import plan_num_slots  # the budget reads the slot-free layout

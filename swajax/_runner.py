@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from swajax import _sharding
 from swajax._layout import KVLayout
 from swajax._paged import make_attention_fn, token_positions
 from swajax._sampling import sample, token_keys
@@ -175,12 +176,18 @@ def step_function(
     implementation: str,
     sampling_mode: str,
     logits: bool,
+    mesh=None,
 ):
     """The jitted step with its static arguments bound (state and tables donated).
 
-    Bound once per (model structure, layout, mode): hashing a model's GraphDef costs about
-    1.6 ms (Gemma 3 4B), which a jit call with static arguments would pay at every step. Up to
-    64 steps and their executables stay alive.
+    Bound once per (model structure, layout, mode, mesh): hashing a model's GraphDef costs
+    about 1.6 ms (Gemma 3 4B), which a jit call with static arguments would pay at every step.
+    Up to 64 steps and their executables stay alive.
+
+    mesh: a `swajax._sharding.serving_mesh`, or None (one device). With a mesh, the state,
+    tables, previous tokens, inputs and every output hold the dp replicas' arrays concatenated
+    along their first axis (`ok` becomes bool[dp]) and the step runs on each replica
+    (`swajax._sharding.per_replica`); the parameters are shared.
     """
     bound = functools.partial(
         _traced_step,
@@ -191,13 +198,40 @@ def step_function(
         sampling_mode=sampling_mode,
         return_logits=logits,
     )
-    return jax.jit(bound, donate_argnums=(1, 2))  # state, tables (called positionally)
+    if mesh is None:
+        return jax.jit(bound, donate_argnums=(1, 2))  # state, tables (called positionally)
+    replica = _sharding.replica_sharding(mesh)
+    out_shardings = StepOutput(
+        _sharding.state_shardings(layout, mesh),
+        _sharding.table_shardings(layout, mesh),
+        replica,
+        replica,
+        replica,
+        replica if logits else None,
+    )
+    # Outputs pinned to the inputs' shardings: the donated pool roots alias in place.
+    return jax.jit(
+        _sharding.per_replica(bound, mesh, num_shared=1),
+        donate_argnums=(1, 2),
+        out_shardings=out_shardings,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def bookkeeping_step(layout, state, free_a, shares_a, free_b):
     """A step without a forward: only free_a -> shares_a -> free_b (aborts, cache clears)."""
     return bookkeeping_before(layout, state, free_a, shares_a, free_b)
+
+
+@functools.lru_cache(maxsize=16)
+def sharded_bookkeeping_step(layout: KVLayout, mesh):
+    """`bookkeeping_step` on every replica of a mesh (replicas concatenated in every argument)."""
+    replica = _sharding.replica_sharding(mesh)
+    return jax.jit(
+        _sharding.per_replica(functools.partial(bookkeeping_before, layout), mesh, num_shared=0),
+        donate_argnums=0,
+        out_shardings=(replica, _sharding.state_shardings(layout, mesh)),
+    )
 
 
 def initial_tables(layout: KVLayout):

@@ -1,0 +1,225 @@
+"""Serving on several devices: the mesh, the shardings of the pool state, the per-replica step.
+
+A `jax.sharding.Mesh` with an axis "model" (tensor parallelism, size tp) and optionally an axis
+"data" (data parallelism, size dp). Owns:
+
+  - `serving_mesh`: the user's mesh checked and normalised to axes ("data", "model") of Auto
+    type (a missing "data" axis has size 1), so the SPMD partitioner splits the dense math.
+  - `check_heads`: a tp that query heads or KV heads cannot be split over is a ValueError.
+  - `state_shardings` / `init_state_sharded`, `table_shardings` / `initial_tables_sharded`:
+    where every leaf of `KVPoolState` and the page tables lives, created in place (no full copy
+    on one device first).
+  - `per_replica`: a function of one replica (one-device shapes) run on every replica at once.
+
+Tensor parallelism ("model"). The parameters are split Megatron-style by the model
+(`model.partition_specs(tp)`, see `gemma._sharding`); the partitioner splits the dense math from
+them. Pool roots are split over KV heads: `PoolSpec.stored_kv_heads` heads, `device_kv_heads` per
+device. Where tp divides the KV heads a device holds K / tp of them; where tp is a multiple of K
+(Gemma 4 E2B and Gemma 3 1B: K = 1; the full layers of Gemma 4 31B at tp = 8: K = 4) each KV head is
+repeated on the tp / K devices whose query heads read it, so a device holds exactly the one KV head
+its queries need and the kernels read it without slicing a pool. K = 1 is full replication: the pool
+costs every device what it costs one device (no KV memory is saved by tp, only parameter memory),
+and kv_write writes identical values on every device. The bookkeeping (free stacks, refcounts, base
+tables, scratch descriptors) and the page tables are replicated: the page-table gather runs once per
+step beside the forward, outside the per-shard code; only the Pallas calls (kv_write, paged
+attention) run per shard, under `jax.shard_map` in the attention hook (`swajax._paged`).
+
+Data parallelism ("data"). Each replica serves its own rows from its own pool: every leaf of the
+pool state, the page tables, the previous step's tokens and the step's inputs holds the replicas'
+arrays concatenated along its first axis, split over "data" (pool roots [dp * pages, ...], base
+tables [dp * B, NB], ...), and the step is `shard_map`ped over "data" (with "model" left to the
+partitioner), so each replica runs exactly the one-device step (same transforms, same kernels, the
+same shapes) on its pool. The host runs one scheduler and slot ledger per replica and dispatches all
+replicas in one compiled program. Rejected: one pool whose page axis is split over replicas, with
+rows partitioned among them (the allocator, the transforms and the ledger would have to confine a
+row's slot ids to its replica's pages); vmap over replicas (batches the Pallas kernels); one engine
+per replica (a compiled step per sub-mesh and one dispatch per replica).
+
+Axis names: dp replicas ("data"), tp tensor-parallel devices ("model").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from swajax._layout import KVLayout
+from swajax._state import KVPoolState, init_state
+
+DATA, MODEL = "data", "model"
+
+
+def serving_mesh(mesh) -> Mesh:
+    """The mesh with axes ("data", "model"), both Auto; ValueError for a mesh without "model".
+
+    Axes other than "data" and "model" must have size 1 (they are dropped).
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if MODEL not in names:
+        raise ValueError(
+            f"the mesh needs an axis {MODEL!r} (tensor parallelism; optionally {DATA!r} for "
+            f"replicas), got axes {names} of sizes {tuple(mesh.devices.shape)}"
+        )
+    extra = {n: s for n, s in zip(names, mesh.devices.shape, strict=True) if n not in (DATA, MODEL)}
+    if any(s > 1 for s in extra.values()):
+        raise ValueError(
+            f"the mesh may have only the axes {DATA!r} and {MODEL!r} of size > 1, got {extra}"
+        )
+    order = [names.index(MODEL)] + [names.index(n) for n in extra]
+    if DATA in names:
+        order.insert(0, names.index(DATA))
+    devices = np.transpose(mesh.devices, order).reshape(-1, mesh.shape[MODEL])
+    return Mesh(devices, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
+    """(dp, tp) of a `serving_mesh`."""
+    return mesh.shape[DATA], mesh.shape[MODEL]
+
+
+def check_heads(tp: int, num_heads: int, kv_heads=()) -> None:
+    """ValueError unless tp devices can split `num_heads` query heads and every KV head count.
+
+    Query heads are split evenly (tp divides them); KV heads are split (tp divides K) or
+    repeated (K divides tp), see `swajax._layout.stored_kv_heads`.
+    """
+    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    if tp > num_heads:
+        raise ValueError(
+            f"tensor-parallel size {tp} (the mesh's 'model' axis) exceeds the model's "
+            f"{num_heads} query heads: more devices than heads; use one of {divisors}"
+        )
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor-parallel size {tp} (the mesh's 'model' axis) does not divide the model's "
+            f"{num_heads} query heads; use one of {divisors}"
+        )
+    from swajax._layout import stored_kv_heads
+
+    for k in sorted(set(kv_heads)):
+        stored_kv_heads(k, tp)
+
+
+# ----------------------------------------------------------------------------- pool state
+
+
+def state_shardings(layout: KVLayout, mesh: Mesh) -> KVPoolState:
+    """`KVPoolState` of NamedShardings: every leaf's first axis (its replicas, concatenated) over
+    "data"; pool roots also over KV heads ("model"); the rest replicated over "model"."""
+    replica = NamedSharding(mesh, P(DATA))
+    fields = {f.name: replica for f in dataclasses.fields(KVPoolState)}
+    for name in ("free_stack", "refcount", "base_tables", "scratch_range", "scratch_slots"):
+        fields[name] = (replica,) * len(layout.groups)
+    # [dp * pages, page_size, stored_kv_heads, head_dim]
+    fields["pools"] = (NamedSharding(mesh, P(DATA, None, MODEL, None)),) * len(layout.pools)
+    return KVPoolState(**fields)
+
+
+def _replicate(tree, dp: int):
+    return jax.tree.map(lambda x: jnp.concatenate([x] * dp) if dp > 1 else x, tree)
+
+
+def init_state_sharded(layout: KVLayout, mesh: Mesh) -> KVPoolState:
+    """`init_state` of every replica, concatenated, created on its devices."""
+    dp, _ = mesh_sizes(mesh)
+    make = jax.jit(
+        lambda: _replicate(init_state(layout), dp), out_shardings=state_shardings(layout, mesh)
+    )
+    return make()
+
+
+def table_shardings(layout: KVLayout, mesh: Mesh):
+    """Shardings of the per-pool page tables [dp * L_p, B, 2, NB] (None in shared mode)."""
+    if layout.page_table_mode != "per_layer":
+        return None
+    return (NamedSharding(mesh, P(DATA)),) * len(layout.pools)
+
+
+def initial_tables_sharded(layout: KVLayout, mesh: Mesh):
+    """`initial_tables` of every replica, concatenated (None in shared mode)."""
+    if layout.page_table_mode != "per_layer":
+        return None
+    from swajax._runner import initial_tables  # the runner imports this module
+
+    dp, _ = mesh_sizes(mesh)
+    make = jax.jit(
+        lambda: _replicate(initial_tables(layout), dp), out_shardings=table_shardings(layout, mesh)
+    )
+    return make()
+
+
+def replica_sharding(mesh: Mesh) -> NamedSharding:
+    """Arrays of every replica concatenated along the first axis, replicated over "model"."""
+    return NamedSharding(mesh, P(DATA))
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+def per_replica(fn, mesh: Mesh, num_shared: int):
+    """fn(*shared, *own) of one replica, called on every replica in one program.
+
+    Every leaf of the `own` arguments holds the replicas' values concatenated along its first
+    axis (split over "data"), and so does every output leaf (a scalar output becomes [dp]); the
+    first `num_shared` arguments are the same on every replica (the parameters, split over
+    "model" only). Inside, "data" is manual and "model" is left to the partitioner. A
+    concatenated axis rather than a new leading one: squeezing a replica axis of size 1 next
+    to another axis of size 1 (one KV head per device) made XLA pick a transposed layout for
+    the pool root and copy it at the step's boundary.
+
+    Empty arrays (the scratch slots of a full-attention group, [B, 0]) do not cross the
+    `shard_map` boundary (XLA's CPU compiler crashes on them there): they are rebuilt on the
+    other side from their shapes.
+    """
+    dp, _ = mesh_sizes(mesh)
+
+    @functools.wraps(fn)
+    def call(*args):
+        leaves, treedef = jax.tree.flatten(args)
+        num_shared_leaves = len(jax.tree.leaves(args[:num_shared]))
+        kept = [i for i, x in enumerate(leaves) if x.size]
+        out_empty: dict[int, jax.ShapeDtypeStruct] = {}  # filled while `one` is traced
+        out_tree = []
+
+        def local_shape(i, x):
+            return x.shape if i < num_shared_leaves else (x.shape[0] // dp, *x.shape[1:])
+
+        def one(*kept_leaves):
+            full = [jnp.zeros(local_shape(i, x), x.dtype) for i, x in enumerate(leaves)]
+            for i, x in zip(kept, kept_leaves, strict=True):
+                full[i] = x
+            out_leaves, out_def = jax.tree.flatten(fn(*jax.tree.unflatten(treedef, full)))
+            out_tree.append(out_def)
+            result = []
+            for i, y in enumerate(out_leaves):
+                if y.size:
+                    result.append(y.reshape(1) if y.ndim == 0 else y)
+                else:
+                    out_empty[i] = jax.ShapeDtypeStruct((dp * y.shape[0], *y.shape[1:]), y.dtype)
+            return result
+
+        specs = [P() if i < num_shared_leaves else P(DATA) for i in kept]
+        result = jax.shard_map(
+            one,
+            mesh=mesh,
+            in_specs=tuple(specs),
+            out_specs=P(DATA),
+            axis_names={DATA},
+            check_vma=False,
+        )(*(leaves[i] for i in kept))
+        result = iter(result)
+        out_leaves = [
+            jnp.zeros(out_empty[i].shape, out_empty[i].dtype) if i in out_empty else next(result)
+            for i in range(out_tree[0].num_leaves)
+        ]
+        return jax.tree.unflatten(out_tree[0], out_leaves)
+
+    return call
