@@ -293,7 +293,7 @@ def _log_weights(ratio: Sequence[float], steps: int) -> list[float]:
 
 def adaptive_split(
     layout: KVLayout,
-    lengths: Sequence[int],
+    requests: Sequence[tuple[int, int]],
     quota: int,
     *,
     chunk: int | None = None,
@@ -302,28 +302,35 @@ def adaptive_split(
     current: AdaptiveSplit | None = None,
     steps: int = ADAPTIVE_GRID_STEPS,
 ) -> AdaptiveSplit | None:
-    """The pool split for queued requests of `lengths` tokens each (prompt + max_new_tokens).
+    """The pool split for queued `requests`, (prompt tokens, max_new_tokens) pairs.
 
     Policy (`pool_ratio="adaptive"`):
-      1. the exact split is `fitted_pool_ratio` at the mean length (full layers hold the sum
-         of the lengths, which the mean gives; the window and chunk terms do not depend on it);
+      1. the exact split is `fitted_pool_ratio` at the mean of prompt + max_new_tokens (full
+         layers hold the sum of the lengths, which the mean gives; the window and chunk terms
+         do not depend on it);
       2. it is snapped to a grid of `steps` points per octave of each group's weight relative
          to group 0 (within +-4.4 % at 8 steps), so nearby workloads give the same slots and
          reuse the same compiled layout;
       3. hysteresis: None (keep `current`) while every weight of the exact split lies within one
          grid step of `current`'s and `current` holds `need`;
-      4. every group gets at least `need[g]` slots (the largest queued request alone), the bytes
-         taken from the other groups (ValueError if the quota cannot hold that request).
-    max_batch: rows served at once (default layout.max_batch); chunk: prefill tokens of one step
-    (default layout.max_chunk).
+      4. every group gets at least `need[g]` slots, by default what the longest prompt with the
+         most new tokens needs alone (`request_slots`, prefill chunks of layout.max_chunk); the
+         bytes come from the other groups (ValueError if the quota cannot hold that).
+    chunk: prefill tokens of one step (default layout.max_chunk); max_batch: rows served at
+    once (default layout.max_batch).
     """
-    if not lengths or any(n < 1 for n in lengths):
-        raise ValueError(f"lengths must be a non-empty list of ints >= 1, got {list(lengths)}")
+    if not requests or any(n < 1 or k < 1 for n, k in requests):
+        raise ValueError(
+            "requests must be a non-empty list of (prompt tokens >= 1, max_new_tokens >= 1), "
+            f"got {list(requests)[:8]}"
+        )
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     num_groups = len(layout.groups)
-    need = [0] * num_groups if need is None else list(need)
-    mean = sum(lengths) / len(lengths)
+    if need is None:
+        prompt, new = max(n for n, _ in requests), max(k for _, k in requests)
+        need = request_slots(layout, prompt, max_new_tokens=new - 1)
+    mean = sum(n + k for n, k in requests) / len(requests)
     exact = fitted_pool_ratio(layout, mean, quota, chunk=chunk, max_batch=max_batch)
     x = _log_weights(exact, steps)
     if (
@@ -339,8 +346,8 @@ def adaptive_split(
     held = sum(n * layout.slot_bytes(g) for g, n in enumerate(slots))
     if held > quota or any(n < k for n, k in zip(slots, need, strict=True)):
         raise ValueError(
-            f"KV quota of {quota} bytes cannot hold one request needing {need} slots per pool "
-            f"group of {[layout.slot_bytes(g) for g in range(num_groups)]} bytes"
+            f"KV quota of {quota} bytes cannot hold one request needing {list(need)} slots per "
+            f"pool group of {[layout.slot_bytes(g) for g in range(num_groups)]} bytes"
         )
     return AdaptiveSplit(point, ratio, _check_slots(layout, quota, slots))
 

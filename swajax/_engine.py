@@ -444,20 +444,15 @@ class Engine:
             return self._adapt(requests)
 
     def _adapt(self, requests: Sequence[tuple[int, int]]) -> bool:
-        """Re-splits the idle pool for (prompt length, max_new_tokens) pairs if the policy asks."""
+        """Re-splits the idle pool for (prompt tokens, max_new_tokens) pairs if the policy asks."""
         if not self.scheduler.pool_idle:
             return False
-        longest = max(n for n, _ in requests), max(k for _, k in requests)
-        need = request_slots(
-            self.layout, longest[0], chunk=self.chunk, max_new_tokens=longest[1] - 1
-        )
         split = adaptive_split(
             self.layout,
-            [n + k for n, k in requests],
+            requests,
             self.quota,
             chunk=self.max_num_tokens,
             max_batch=self.serving_rows,
-            need=need,
             current=self._split,
         )
         if split is None:

@@ -38,7 +38,7 @@ def test_fitted_split_by_hand():
     capped = swajax.fitted_pool_ratio(lay, 1000, 1_000_000, max_batch=10)
     assert capped == pytest.approx((54272 / 374272, 320000 / 374272))
     # adaptive: log2(full / sliding) = 2.7043 -> 21.63 steps of 1/8 octave -> 22
-    split = swajax.adaptive_split(lay, [900, 1100, 1000], 1_000_000)
+    split = swajax.adaptive_split(lay, [(899, 1), (1099, 1), (999, 1)], 1_000_000)
     assert split.point == (0, 22)
     w = 2 ** (22 / 8)
     assert split.ratio == pytest.approx((1 / (1 + w), w / (1 + w)))
@@ -49,20 +49,22 @@ def test_fitted_split_by_hand():
 
 def test_adaptive_split_hysteresis_and_minimum():
     lay = layout()
-    split = swajax.adaptive_split(lay, [1000] * 4, 1_000_000)
+    split = swajax.adaptive_split(lay, [(996, 4)] * 4, 1_000_000)
     # a 3 % longer queue stays in the cell (no re-split); 4x longer moves on
-    assert swajax.adaptive_split(lay, [1030] * 4, 1_000_000, current=split) is None
-    longer = swajax.adaptive_split(lay, [4000] * 4, 1_000_000, current=split)
+    assert swajax.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split) is None
+    longer = swajax.adaptive_split(lay, [(3996, 4)] * 4, 1_000_000, current=split)
     assert longer is not None and longer.num_slots[1] > split.num_slots[1]
     # the current split must still hold the largest request alone, else it is split anew
     need = (split.num_slots[0] + 10, 1)
-    raised = swajax.adaptive_split(lay, [1030] * 4, 1_000_000, current=split, need=need)
+    raised = swajax.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split, need=need)
     assert raised.num_slots[0] == need[0]
     assert sum(n * lay.slot_bytes(g) for g, n in enumerate(raised.num_slots)) <= 1_000_000
     with pytest.raises(ValueError, match="cannot hold one request"):
-        swajax.adaptive_split(lay, [1000], 1_000_000, need=(700, 1))
-    with pytest.raises(ValueError, match="lengths"):
+        swajax.adaptive_split(lay, [(999, 1)], 1_000_000, need=(700, 1))
+    with pytest.raises(ValueError, match="requests"):
         swajax.adaptive_split(lay, [], 1_000_000)
+    with pytest.raises(ValueError, match=r"\(5, 0\)"):
+        swajax.adaptive_split(lay, [(5, 0)], 1_000_000)
 
 
 @pytest.mark.parametrize(
