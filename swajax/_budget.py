@@ -26,7 +26,6 @@ import jax
 from swajax._config import KVCacheConfig
 from swajax._layout import KVLayout, make_layout
 from swajax._ledger import row_peak_slots
-from swajax._scratch import ceil_div
 from swajax._spec import LayerSpec
 
 DEFAULT_FREE_MEMORY_FRACTION = 0.9
@@ -97,9 +96,11 @@ def group_demands(
 ) -> tuple[int, ...]:
     """Bytes per group for B = batch sequences holding T = total_tokens of history, chunk M.
 
-    Full group: T * F. Sliding group: min(T, M) * S_ctx + B * R_w with
-    R_w = ceil(W/tpb)*tpb*F and S_ctx = F without scratch (the chunk in every layer) or, with
-    scratch, one layer's bytes per token per pool (the chunk rotates through one layer's worth).
+    Full group: T * F. Sliding group: min(T, M) * S_ctx + B * R_w with S_ctx = F without
+    scratch (the chunk in every layer) or, with scratch, one layer's bytes per token per pool
+    (the chunk rotates through one layer's worth), and R_w = (W + max_rewind + tpb - 1) * F:
+    the blocks a decoding row's window spans, averaged over where its history ends in a block
+    (DESIGN.md's ceil(W/tpb) * tpb undercounts the block it straddles; 6 % at W = 512, tpb 32).
     """
     scratch = layout.scratch if scratch is None else scratch
     tpb = layout.page_size
@@ -113,7 +114,7 @@ def group_demands(
             s_ctx = sum(layout.pools[p].bytes_per_token_per_layer() for p in group.pools)
         else:
             s_ctx = f
-        r_w = ceil_div(group.window, tpb) * tpb * f
+        r_w = (group.window + layout.max_rewind + tpb - 1) * f
         out.append(min(total_tokens, chunk) * s_ctx + batch * r_w)
     return tuple(out)
 

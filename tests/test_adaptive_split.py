@@ -13,10 +13,12 @@ from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
 from swajax import _budget
+from swajax._runner import trace_count
 
 S = swajax.LayerSpec
 # 3 sliding layers (W = 40) and 1 full layer, 1 KV head x 8 dims, bf16: 32 bytes per token and
-# layer. Page 16: sliding slot 3 * 16 * 32 = 1536 B, full slot 512 B; R_w = 48 * 96 = 4608 B.
+# layer. Page 16: sliding slot 3 * 16 * 32 = 1536 B, full slot 512 B; a decoding row's window
+# spans (40 + 15) / 16 blocks on average: R_w = 55 * 96 = 5280 B.
 SPECS = [S(40, 1, 8, 0), S(40, 1, 8, 1), S(None, 1, 8, 2), S(40, 1, 8, 3)]
 
 
@@ -27,24 +29,24 @@ def layout(**cfg):
 
 def test_fitted_split_by_hand():
     # Q(B) for B sequences of 1000 tokens, chunk 256, scratch (the chunk costs one layer,
-    # 32 B/token): 32000 B + 256 * 32 + 4608 B = 36608 B + 8192 <= 10^6 -> B = 27.0929...
+    # 32 B/token): 32000 B + 256 * 32 + 5280 B = 37280 B + 8192 <= 10^6 -> B = 26.6043...
     lay = layout()
     b = swajax.fitted_batch(lay, 1000, 1_000_000)
-    assert b == pytest.approx(991_808 / 36_608, rel=1e-9)
-    sliding, full = 8192 + 4608 * b, 32000 * b
+    assert b == pytest.approx(991_808 / 37_280, rel=1e-9)
+    sliding, full = 8192 + 5280 * b, 32000 * b
     ratio = swajax.fitted_pool_ratio(lay, 1000, 1_000_000)
     assert ratio == pytest.approx((sliding / (sliding + full), full / (sliding + full)))
     # capped at max_batch: the ratio of Q for 10 sequences
     capped = swajax.fitted_pool_ratio(lay, 1000, 1_000_000, max_batch=10)
-    assert capped == pytest.approx((54272 / 374272, 320000 / 374272))
-    # adaptive: log2(full / sliding) = 2.7043 -> 21.63 steps of 1/8 octave -> 22
+    assert capped == pytest.approx((60992 / 380992, 320000 / 380992))
+    # adaptive: log2(full / sliding) = log2(5.7266) = 2.5177 -> 20.14 steps of 1/8 octave -> 20
     split = swajax.adaptive_split(lay, [(899, 1), (1099, 1), (999, 1)], 1_000_000)
-    assert split.point == (0, 22)
-    w = 2 ** (22 / 8)
+    assert split.point == (0, 20)
+    w = 2 ** (20 / 8)
     assert split.ratio == pytest.approx((1 / (1 + w), w / (1 + w)))
-    # slots: int(10^6 * share) // slot bytes; the exact split would give 86 and 1693
+    # slots: int(10^6 * share) // slot bytes; the exact split would give 96 and 1662
     assert split.num_slots == (int(1e6 / (1 + w)) // 1536, int(1e6 * w / (1 + w)) // 512)
-    assert split.num_slots == (84, 1700)
+    assert split.num_slots == (97, 1659)
 
 
 def test_adaptive_split_hysteresis_and_minimum():
@@ -143,14 +145,17 @@ def test_no_recompile_within_a_grid_cell_and_layouts_reused():
     eng = engine(model, "adaptive", quota_for_three())
     a, b, c = (prompts_of(lengths(m, s), seed=s) for m, s in ((96, 2), (98, 3), (20, 4)))
     out_a, _ = eng.run(a, NEW)  # the first step splits the pool for the queue
-    slots_a, traces_a = eng.num_slots, eng.trace_count
-    assert traces_a == 2  # one prefill and one decode variant
+    layout_a, traces = eng.layout, eng.trace_count
+    compiled_a = trace_count(layout_a)  # here, or by an engine of this layout before
+    assert compiled_a >= 2  # one prefill and one decode variant
     out_b, _ = eng.run(b, NEW)  # mean length +2 %: same cell, no re-split, no trace
-    assert eng.num_slots == slots_a and eng.trace_count == traces_a
+    assert eng.layout == layout_a and eng.trace_count == traces
     out_c, _ = eng.run(c, NEW)  # 5x shorter requests: split anew (a new layout, compiled once)
-    assert eng.num_slots != slots_a and eng.trace_count == 2 * traces_a
+    assert eng.layout.groups != layout_a.groups and trace_count(eng.layout) >= 2
+    traces = eng.trace_count
     again, _ = eng.run(a, NEW)  # back: the first layout's compiled steps serve it again
-    assert eng.num_slots == slots_a and eng.trace_count == 2 * traces_a
+    assert eng.layout == layout_a and eng.trace_count == traces
+    assert trace_count(layout_a) == compiled_a
     assert again == out_a and len(out_b) == len(out_c) == 8
 
 
