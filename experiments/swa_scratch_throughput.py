@@ -118,6 +118,7 @@ class Params:
     # engine's 1 % makes it preempt and recompute 8K prompts, which then dominates the timings.
     admission_headroom: float = 0.04
     compile_s: float = 45.0  # per step variant, for the time estimate
+    cell_limit_s: float = 300.0  # a cell's timed run stops here (recorded as an error); 0: none
     quick: bool = False
 
     @property
@@ -141,6 +142,7 @@ QUICK = Params(
     weight_dtype="float32",
     implementation="reference",
     compile_s=3.0,
+    cell_limit_s=0.0,
     quick=True,
 )
 
@@ -366,17 +368,52 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     )
 
 
-def estimate(predicted: dict[tuple, dict], params: Params, weights: int) -> dict:
+def estimate(predicted: dict[tuple, dict], params: Params, weights: int, scale=1.0) -> dict:
     """Seconds of one preset's invocation: init + compiles (two step variants per distinct
-    layout, compiled in parallel threads) + the predicted runs."""
+    layout, compiled in parallel threads) + the predicted runs (each at most cell_limit_s),
+    the runs scaled by `scale` (requests / simulated requests: steps grow with the requests)."""
     layouts = {(s, tuple(p["num_slots"])) for (_, s), p in predicted.items()}
     init = 5.0 + weights / 4e9
     compile_s = 1.2 * params.compile_s * len(layouts)
-    runs = sum(p["est_seconds"] for p in predicted.values())
+    limit = params.cell_limit_s or float("inf")
+    runs = sum(min(scale * p["est_seconds"], limit) for p in predicted.values())
     return dict(init_s=init, compile_s=compile_s, run_s=runs, total_s=init + compile_s + runs)
 
 
+REQUEST_STEPS = (128, 96, 64, 48, 32, 24, 16)
+
+
+def plan_calls(preset: str, predicted: dict, params: Params, weights: int, budget: float):
+    """Device calls that fit `budget` seconds each for this preset: every setup in one call,
+    else cap_only in one and the others in a second, at the most requests (of REQUEST_STEPS,
+    the same in every call so that the cells compare) that fit. [(setups, requests, s)]."""
+    ok = {k: v for k, v in predicted.items() if "error" not in v}
+    groups = [tuple(SETUPS)], [("cap_only",), ("pinned_8k", "adaptive")]
+    for split in groups:
+        for n in REQUEST_STEPS:
+            if n > params.requests * 2:
+                continue
+            calls = []
+            for setups in split:
+                cells = {k: v for k, v in ok.items() if k[0] in setups}
+                est = estimate(cells, params, weights, n / params.requests)["total_s"]
+                calls.append((setups, n, est))
+            if all(est <= budget for _, _, est in calls):
+                return calls
+    return [(tuple(SETUPS), REQUEST_STEPS[-1], float("nan"))]
+
+
 # %% one cell on the device
+class CellLimit(RuntimeError):
+    """A cell's run passed `cell_limit_s` (e.g. a preemption storm); carries its progress."""
+
+    def __init__(self, limit: float, seconds: float, tokens: int):
+        super().__init__(
+            f"stopped at the cell limit of {limit:g} s: {tokens} output tokens in {seconds:.1f} s"
+        )
+        self.seconds, self.tokens = seconds, tokens
+
+
 def digests(outputs) -> list[str]:
     return [hashlib.sha256(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
 
@@ -409,7 +446,16 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
     engine.run([prompts[0][:1] * mean], 2)
     compile_s = time.perf_counter() - t0
     traces = engine.trace_count
-    outputs, stats = engine.run(prompts, params.output_len)
+    progress = {"tokens": 0}
+    start = time.perf_counter()
+
+    def guard(i, out):
+        progress["tokens"] += len(out.new_token_ids)
+        elapsed = time.perf_counter() - start
+        if params.cell_limit_s and elapsed > params.cell_limit_s:
+            raise CellLimit(params.cell_limit_s, elapsed, progress["tokens"])
+
+    outputs, stats = engine.run(prompts, params.output_len, callback=guard)
     layout = engine.layout
     slot_bytes = [layout.slot_bytes(g) for g in range(len(layout.groups))]
     pool = [n * b for n, b in zip(engine.num_slots, slot_bytes, strict=True)]
@@ -673,11 +719,19 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--admission-headroom", type=float, default=None)
     p.add_argument("--compile-s", type=float, default=None, help="per step variant (estimate)")
+    p.add_argument("--cell-limit-s", type=float, default=None, help="0: no limit")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS / "swa_scratch_h200.json")
     p.add_argument("--merge", type=pathlib.Path, default=None, help="JSON whose records to keep")
     p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
     p.add_argument("--simulate", action="store_true", help="predictions only, no model")
+    p.add_argument(
+        "--plan",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --simulate: print the device calls of at most S seconds per preset",
+    )
     args = p.parse_args(argv)
     base = QUICK if args.quick else Params()
     over = {
@@ -691,6 +745,7 @@ def parse(argv=None):
             "seed",
             "admission_headroom",
             "compile_s",
+            "cell_limit_s",
         )
         if getattr(args, k) is not None
     }
@@ -785,6 +840,13 @@ def main(argv=None) -> dict:
                 ),
                 flush=True,
             )
+        if args.plan:
+            for setups_, n, est_s in plan_calls(preset, predicted, params, weights, args.plan):
+                print(
+                    f"  plan: --presets {preset} --setups {','.join(setups_)} --requests {n}"
+                    f"  # estimate {est_s:.0f} s",
+                    flush=True,
+                )
         if args.simulate:
             for (setup, scratch), pr in predicted.items():
                 new_records.append(
@@ -809,7 +871,6 @@ def main(argv=None) -> dict:
         dtype = jnp.dtype(params.weight_dtype)
         model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
         init_s = time.perf_counter() - t0
-        tokens = {}
         for setup, scratch in cells:
             rec = dict(
                 preset=preset,
@@ -824,10 +885,10 @@ def main(argv=None) -> dict:
                 utc=meta["utc"],
             )
             try:
-                cell, tokens[setup, scratch] = run_cell(
-                    model, config, params, setup, scratch, cap, prompts
-                )
+                cell, _ = run_cell(model, config, params, setup, scratch, cap, prompts)
                 rec.update(cell)
+            except CellLimit as e:
+                rec.update(error=str(e), partial_seconds=e.seconds, partial_output_tokens=e.tokens)
             except Exception:  # noqa: BLE001 - one failed cell must not lose the others
                 rec["error"] = traceback.format_exc()[-2000:]
             new_records.append(rec)
