@@ -327,7 +327,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
     decode_bucket = -(-params.rows // 8) * 8
     steps = prefill_steps = 0
-    seconds = 0.0
+    seconds = prefill_seconds = 0.0
     concurrent, used = [], []
     while sched.has_work:
         plan = sched.schedule()
@@ -348,7 +348,9 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         else:
             prefill_steps += 1
             flops += params.max_num_tokens * per_token  # the step is padded to the budget
-        seconds += max(nbytes / copy, flops / matmul)
+        t = max(nbytes / copy, flops / matmul)
+        seconds += t
+        prefill_seconds += 0.0 if plan.decode_only else t
         concurrent.append(len(plan.new_tokens))
         used.append(plan.used)
         sched.on_sampled(plan, dict.fromkeys(plan.samples, 0))
@@ -363,6 +365,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         peak_slots=[int(x) for x in np.max(used, axis=0)],
         mean_slots=[float(x) for x in np.mean(used, axis=0)],
         est_seconds=seconds,
+        est_prefill_share=prefill_seconds / seconds,
         est_output_tokens_per_s=params.requests * params.output_len / seconds,
         est_total_tokens_per_s=total / seconds,
     )
@@ -720,7 +723,12 @@ def parse(argv=None):
     p.add_argument("--admission-headroom", type=float, default=None)
     p.add_argument("--compile-s", type=float, default=None, help="per step variant (estimate)")
     p.add_argument("--cell-limit-s", type=float, default=None, help="0: no limit")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS / "swa_scratch_h200.json")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="default: results/swa_scratch_h200.json (--simulate: swa_scratch_predictions.json)",
+    )
     p.add_argument("--merge", type=pathlib.Path, default=None, help="JSON whose records to keep")
     p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
@@ -733,6 +741,9 @@ def parse(argv=None):
         help="with --simulate: print the device calls of at most S seconds per preset",
     )
     args = p.parse_args(argv)
+    if args.out is None:
+        name = "swa_scratch_predictions.json" if args.simulate else "swa_scratch_h200.json"
+        args.out = RESULTS / name
     base = QUICK if args.quick else Params()
     over = {
         k: getattr(args, k)
@@ -776,7 +787,7 @@ def main(argv=None) -> dict:
     meta = run_metadata(**dataclasses.asdict(params), presets=presets, setups=setups)
     merge_from = args.merge or (args.out if args.out.exists() else None)
     res = {}
-    if merge_from is not None and merge_from.exists() and not args.simulate:
+    if merge_from is not None and merge_from.exists():
         res = json.loads(merge_from.read_text())
     records = res.get("records", [])
     res.update(
@@ -801,9 +812,8 @@ def main(argv=None) -> dict:
         res["records"] = merge(records, new_records)
         mark_same_tokens(res["records"])
         res["comparison"] = comparison(res["records"])
-        if not args.simulate:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
 
     for preset in presets:
         config = model_config(preset, params)
@@ -834,7 +844,8 @@ def main(argv=None) -> dict:
                 + (
                     f"slots {pr['num_slots']} steps {pr['steps']} conc {pr['max_concurrent']} "
                     f"(mean {pr['mean_concurrent']:.1f}) preempt {pr['preemptions']} "
-                    f"{pr['est_seconds']:.0f} s {pr['est_output_tokens_per_s']:.0f} out tok/s"
+                    f"{pr['est_seconds']:.0f} s ({100 * pr['est_prefill_share']:.0f} % in "
+                    f"prefill steps) {pr['est_output_tokens_per_s']:.0f} out tok/s"
                     if "error" not in pr
                     else pr["error"].strip().splitlines()[-1]
                 ),
@@ -858,8 +869,11 @@ def main(argv=None) -> dict:
                         kv_cap_bytes=cap,
                         predicted=pr,
                         estimate=est,
+                        git_commit=meta["git_commit"],
+                        utc=meta["utc"],
                     )
                 )
+            save()
             continue
         if est["total_s"] > DEVICE_CALL_S and not params.quick:
             print(
@@ -910,10 +924,9 @@ def main(argv=None) -> dict:
     save()
     table = format_table(res["records"], res["comparison"])
     print(table)
-    if not args.simulate:
-        png = args.png or args.out.with_suffix(".png")
-        plot(res["comparison"], png)
-        print(f"wrote {args.out} and {png}")
+    png = args.png or args.out.with_suffix(".png")
+    plot(res["comparison"], png)
+    print(f"wrote {args.out} and {png}")
     return res
 
 
