@@ -387,22 +387,20 @@ REQUEST_STEPS = (128, 96, 64, 48, 32, 24, 16)
 
 
 def plan_calls(preset: str, predicted: dict, params: Params, weights: int, budget: float):
-    """Device calls that fit `budget` seconds each for this preset: every setup in one call,
-    else cap_only in one and the others in a second, at the most requests (of REQUEST_STEPS,
-    the same in every call so that the cells compare) that fit. [(setups, requests, s)]."""
+    """Device calls of at most `budget` seconds each for this preset: the most requests (of
+    REQUEST_STEPS up to twice the simulated count; the same in every call, so that the cells
+    compare) at which every setup fits one call, or cap_only one call and the others a second.
+    Returns [(setups, requests, estimated seconds)]."""
     ok = {k: v for k, v in predicted.items() if "error" not in v}
-    groups = [tuple(SETUPS)], [("cap_only",), ("pinned_8k", "adaptive")]
-    for split in groups:
-        for n in REQUEST_STEPS:
-            if n > params.requests * 2:
-                continue
+    splits = [tuple(SETUPS)], [("cap_only",), ("pinned_8k", "adaptive")]
+    for n in (n for n in REQUEST_STEPS if n <= 2 * params.requests):
+        for split in splits:
             calls = []
             for setups in split:
                 cells = {k: v for k, v in ok.items() if k[0] in setups}
-                est = estimate(cells, params, weights, n / params.requests)["total_s"]
-                calls.append((setups, n, est))
-            if all(est <= budget for _, _, est in calls):
-                return calls
+                calls.append((setups, n, estimate(cells, params, weights, n / params.requests)))
+            if all(est["total_s"] <= budget for _, _, est in calls):
+                return [(setups, n, est["total_s"]) for setups, n, est in calls]
     return [(tuple(SETUPS), REQUEST_STEPS[-1], float("nan"))]
 
 
