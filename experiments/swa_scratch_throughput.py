@@ -125,8 +125,8 @@ class Params:
     def workload(self) -> dict:
         """What two cells must share to be compared."""
         keys = ("requests", "input_mean", "output_len", "rows", "cap_seqs", "seed", "page_size")
-        keys += ("admission_headroom",)
-        return {k: getattr(self, k) for k in keys} | {"max_num_tokens": self.max_num_tokens}
+        keys += ("max_num_tokens", "admission_headroom")
+        return {k: getattr(self, k) for k in keys}
 
 
 QUICK = Params(
