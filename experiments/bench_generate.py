@@ -104,12 +104,11 @@ def torch_ceilings():
 
 
 # %% floor
-def workload_floor(config, w, weight_bytes, kv_itemsize, matmul_tflops, copy_tbs) -> dict:
-    """Seconds no implementation beats: prefill FLOPs / matmul rate + decode bytes / copy."""
+def matmul_flops_per_token(config) -> int:
+    """Matmul FLOPs of one token: 2 x the parameters it multiplies (no embedding lookup, no
+    LM head; MoE layers count their active experts)."""
     specs = config.layer_specs
-    n_in, n_out, num = w["input"], w["output"], w["prompts"]
     d, layers = config.hidden_size, config.num_layers
-    # matmul FLOPs per token: 2 x the parameters a token multiplies (no embedding lookup)
     per_token = 0
     for i, s in enumerate(specs):
         q = config.num_heads * s.head_dim
@@ -120,25 +119,37 @@ def workload_floor(config, w, weight_bytes, kv_itemsize, matmul_tflops, copy_tbs
         per_token += 2 * d * (2 * q + kv + mlp)
     if config.per_layer_input_dim:
         per_token += 2 * d * layers * config.per_layer_input_dim * 2
-    lm_head = 2 * d * config.vocab_size
+    return per_token
 
-    def attention_flops(positions):
-        total = 0
-        for s in specs:
-            keys = positions + 1 if s.window is None else np.minimum(positions + 1, s.window)
-            total += 4 * config.num_heads * s.head_dim * int(keys.sum())
-        return total
 
+def attention_flops(config, positions) -> int:
+    """Attention FLOPs (QK^T and PV) of tokens at `positions` (causal, windows respected)."""
+    total = 0
+    for s in config.layer_specs:
+        keys = positions + 1 if s.window is None else np.minimum(positions + 1, s.window)
+        total += 4 * config.num_heads * s.head_dim * int(np.sum(keys))
+    return total
+
+
+def kv_read_bytes(config, context: int, kv_itemsize: int) -> int:
+    """K and V bytes one decode token at position `context` reads: every layer reads its keys
+    within its window (a KV-shared layer reads its writer's again)."""
+    total = 0
+    for s in config.layer_specs:
+        keys = context + 1 if s.window is None else min(context + 1, s.window)
+        total += 2 * keys * s.num_kv_heads * s.head_dim * kv_itemsize
+    return total
+
+
+def workload_floor(config, w, weight_bytes, kv_itemsize, matmul_tflops, copy_tbs) -> dict:
+    """Seconds no implementation beats: prefill FLOPs / matmul rate + decode bytes / copy."""
+    n_in, n_out, num = w["input"], w["output"], w["prompts"]
+    per_token = matmul_flops_per_token(config)
+    lm_head = 2 * config.hidden_size * config.vocab_size
     pos = np.arange(n_in)
-    prefill = num * (n_in * per_token + attention_flops(pos) + lm_head)
+    prefill = num * (n_in * per_token + attention_flops(config, pos) + lm_head)
     decode_steps = n_out - 1
-    kv_read = 0
-    for t in range(n_in, n_in + decode_steps):
-        for s in specs:
-            if s.kv_source != specs.index(s):
-                continue
-            keys = t + 1 if s.window is None else min(t + 1, s.window)
-            kv_read += 2 * keys * s.num_kv_heads * s.head_dim * kv_itemsize
+    kv_read = sum(kv_read_bytes(config, t, kv_itemsize) for t in range(n_in, n_in + decode_steps))
     kv_read *= num
     batch_steps = decode_steps * -(-num // w.get("batch", num))
     prefill_s = prefill / (matmul_tflops * 1e12)

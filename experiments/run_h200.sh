@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the stages named on the command line, in order, each logged under $OUT.
 #   SWAJAX_GIT_COMMIT=<sha> bash experiments/run_h200.sh gpu-tests kernels presets generate cold
+#   SWAJAX_GIT_COMMIT=<sha> PRESETS=gemma4_e2b bash experiments/run_h200.sh scratch
 # A persistent JAX compilation cache under /tmp is shared by every stage and by later calls
 # to the same warm machine. Stages stop at their own time limit (seconds, STAGE_LIMIT_<name>).
 set -u
@@ -34,6 +35,11 @@ for stage in "$@"; do
     generate)
       run generate "${STAGE_LIMIT_generate:-500}" python3 experiments/bench_generate.py \
         --out "$OUT/generate_h200.json" ;;
+    scratch)  # one model per call: PRESETS=gemma4_e2b [SETUPS=cap_only] [REQUESTS=32]
+      run scratch "${STAGE_LIMIT_scratch:-590}" python3 experiments/swa_scratch_throughput.py \
+        --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
+        ${REQUESTS:+--requests $REQUESTS} --out "$OUT/swa_scratch_h200.json" \
+        --merge experiments/results/swa_scratch_h200.json ;;
     cold)
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
         --out "$OUT/cold_start_h200.json" ;;

@@ -6,7 +6,11 @@ __all__ = ["LayerRef", "LayerSpec"]
 
 # KV memory model: config, layout, state, transforms, scratch, budget.
 from swajax._budget import (  # noqa: E402
+    AdaptiveSplit,
     KVBytes,
+    adaptive_split,
+    fitted_batch,
+    fitted_pool_ratio,
     kv_bytes_per_sequence,
     kv_quota_bytes,
     plan_num_slots,
@@ -43,6 +47,7 @@ from swajax._transforms import (  # noqa: E402
 )
 
 __all__ += [
+    "AdaptiveSplit",
     "BAD",
     "Converter",
     "GroupSpec",
@@ -52,7 +57,10 @@ __all__ += [
     "KVPoolState",
     "PoolSpec",
     "StepMetadata",
+    "adaptive_split",
     "advance",
+    "fitted_batch",
+    "fitted_pool_ratio",
     "free_rows",
     "free_slots",
     "init_state",

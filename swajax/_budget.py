@@ -9,12 +9,15 @@ Owns (DESIGN.md "Budget"):
   - `plan_num_slots`: slots per pool group from the quota, split by the pinned `pool_ratio` or by
     the default ratio (each group's share of Q for the expected batch; the chunked-prefill term
     always counts, so scratch reuse changes the split and is never inert).
+  - `fitted_pool_ratio` / `adaptive_split`: the split for sequences of a given length at the
+    batch the quota holds, and the policy of `pool_ratio="adaptive"` (grid, hysteresis).
   - `kv_bytes_per_sequence` / `request_slots`: exact per-sequence slot counts, simulated step by
     step with the same stale / scratch range formulas as the transforms.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -24,7 +27,6 @@ import jax
 from swajax._config import KVCacheConfig
 from swajax._layout import KVLayout, make_layout
 from swajax._ledger import row_peak_slots
-from swajax._scratch import ceil_div
 from swajax._spec import LayerSpec
 
 DEFAULT_FREE_MEMORY_FRACTION = 0.9
@@ -95,9 +97,11 @@ def group_demands(
 ) -> tuple[int, ...]:
     """Bytes per group for B = batch sequences holding T = total_tokens of history, chunk M.
 
-    Full group: T * F. Sliding group: min(T, M) * S_ctx + B * R_w with
-    R_w = ceil(W/tpb)*tpb*F and S_ctx = F without scratch (the chunk in every layer) or, with
-    scratch, one layer's bytes per token per pool (the chunk rotates through one layer's worth).
+    Full group: T * F. Sliding group: min(T, M) * S_ctx + B * R_w with S_ctx = F without
+    scratch (the chunk in every layer) or, with scratch, one layer's bytes per token per pool
+    (the chunk rotates through one layer's worth), and R_w = (W + max_rewind + tpb - 1) * F:
+    the blocks a decoding row's window spans, averaged over where its history ends in a block
+    (DESIGN.md's ceil(W/tpb) * tpb undercounts the block it straddles; 6 % at W = 512, tpb 32).
     """
     scratch = layout.scratch if scratch is None else scratch
     tpb = layout.page_size
@@ -111,7 +115,7 @@ def group_demands(
             s_ctx = sum(layout.pools[p].bytes_per_token_per_layer() for p in group.pools)
         else:
             s_ctx = f
-        r_w = ceil_div(group.window, tpb) * tpb * f
+        r_w = (group.window + layout.max_rewind + tpb - 1) * f
         out.append(min(total_tokens, chunk) * s_ctx + batch * r_w)
     return tuple(out)
 
@@ -139,55 +143,215 @@ def _max_useful_slots(layout: KVLayout, g: int) -> int:
     return layout.max_batch * (layout.max_blocks + layout.groups[g].scratch_slots)
 
 
+def _split_slots(
+    layout: KVLayout,
+    quota: int,
+    ratio: Sequence[float],
+    *,
+    redistribute: bool,
+    minimum: Sequence[int] | None = None,
+) -> list[int]:
+    """Slots per group: the quota split in bytes by `ratio`, each group capped at what it could
+    ever hold and raised to `minimum[g]`; with `redistribute` the bytes of the groups capped
+    or raised are taken out first and the rest is split again among the others."""
+    num_groups = len(layout.groups)
+    slot_bytes = [layout.slot_bytes(g) for g in range(num_groups)]
+    useful = [_max_useful_slots(layout, g) for g in range(num_groups)]
+    minimum = [0] * num_groups if minimum is None else list(minimum)
+    slots = [0] * num_groups
+    open_groups = set(range(num_groups))
+    budget = quota
+    while open_groups:
+        share = sum(ratio[g] for g in open_groups)
+        fixed = set()
+        for g in open_groups:
+            slots[g] = int(budget * ratio[g] / share) // slot_bytes[g] if share > 0 else 0
+            if slots[g] >= useful[g]:
+                slots[g] = useful[g]
+                fixed.add(g)
+            elif slots[g] < minimum[g]:
+                slots[g] = minimum[g]
+                fixed.add(g)
+        if not redistribute or not fixed:
+            break
+        budget -= sum(slots[g] * slot_bytes[g] for g in fixed)
+        open_groups -= fixed
+    return slots
+
+
+def _check_slots(layout: KVLayout, quota: int, slots: Sequence[int]) -> tuple[int, ...]:
+    for g, n in enumerate(slots):
+        if n < 1:
+            raise ValueError(
+                f"KV quota of {quota} bytes gives pool group {g} (life cycle "
+                f"{layout.groups[g].life_cycle}) {n} slots of {layout.slot_bytes(g)} bytes; raise "
+                "max_gpu_total_bytes or free_gpu_memory_fraction, or change pool_ratio"
+            )
+    return tuple(slots)
+
+
 def plan_num_slots(
     layout: KVLayout, kv_cache_config: KVCacheConfig, quota: int | None = None
 ) -> tuple[int, ...]:
     """Slots per pool group from the quota (default `kv_quota_bytes(kv_cache_config)`).
 
-    The quota is split in bytes by `pool_ratio` (pinned) or `default_pool_ratio`. No group gets
-    more slots than it could ever hold; with the default ratio the bytes a group cannot use go
-    to the others. Raises ValueError when a group would get no slot.
+    The quota is split in bytes by `pool_ratio` (pinned) or `default_pool_ratio` (None, and
+    "adaptive" until the engine has seen requests: see `adaptive_split`). No group gets more
+    slots than it could ever hold; with the default ratio the bytes a group cannot use go to
+    the others. Raises ValueError when a group would get no slot.
     """
     cfg = kv_cache_config
     quota = kv_quota_bytes(cfg) if quota is None else int(quota)
     num_groups = len(layout.groups)
-    if cfg.pool_ratio is not None:
+    if cfg.pool_ratio is not None and not cfg.adaptive_pool_ratio:
         if len(cfg.pool_ratio) != num_groups:
             raise ValueError(
                 f"pool_ratio must give one weight per pool group ({num_groups}: "
                 f"{[g.life_cycle for g in layout.groups]}), got {cfg.pool_ratio}"
             )
         total = sum(cfg.pool_ratio)
-        ratio = [r / total for r in cfg.pool_ratio]
-        redistribute = False
+        slots = _split_slots(layout, quota, [r / total for r in cfg.pool_ratio], redistribute=False)
     else:
-        ratio = list(default_pool_ratio(layout, cfg))
-        redistribute = True
-    slot_bytes = [layout.slot_bytes(g) for g in range(num_groups)]
-    useful = [_max_useful_slots(layout, g) for g in range(num_groups)]
-    slots = [0] * num_groups
-    open_groups = set(range(num_groups))
-    budget = quota
-    while open_groups:
-        share = sum(ratio[g] for g in open_groups)
-        capped = set()
-        for g in open_groups:
-            slots[g] = int(budget * ratio[g] / share) // slot_bytes[g] if share > 0 else 0
-            if slots[g] >= useful[g]:
-                slots[g] = useful[g]
-                capped.add(g)
-        if not redistribute or not capped:
-            break
-        budget -= sum(slots[g] * slot_bytes[g] for g in capped)
-        open_groups -= capped
-    for g, n in enumerate(slots):
-        if n < 1:
-            raise ValueError(
-                f"KV quota of {quota} bytes gives pool group {g} (life cycle "
-                f"{layout.groups[g].life_cycle}) {n} slots of {slot_bytes[g]} bytes; raise "
-                "max_gpu_total_bytes or free_gpu_memory_fraction, or change pool_ratio"
-            )
-    return tuple(slots)
+        slots = _split_slots(layout, quota, default_pool_ratio(layout, cfg), redistribute=True)
+    return _check_slots(layout, quota, slots)
+
+
+# ----------------------------------------------------------------------------- fitted split
+
+
+def fitted_batch(
+    layout: KVLayout,
+    length: float,
+    quota: int,
+    *,
+    chunk: int | None = None,
+    max_batch: int | None = None,
+    scratch: bool | None = None,
+) -> float:
+    """How many sequences of `length` tokens the quota holds: the largest B in (0, max_batch]
+    with Q(B * length) <= quota for batch B and prefill chunk `chunk` (DESIGN.md "Budget").
+
+    Fractional (Q is piecewise linear in B); max_batch defaults to layout.max_batch, chunk to
+    layout.max_chunk, the mode to the layout's. 0 < B < 1 when not even one sequence fits.
+    """
+    if not length > 0 or quota < 1:
+        raise ValueError(f"need length > 0 and quota >= 1, got {length!r}, {quota!r}")
+    chunk = layout.max_chunk if chunk is None else chunk
+    hi = float(layout.max_batch if max_batch is None else max_batch)
+
+    def fits(b: float) -> bool:
+        return quota_for_tokens(layout, b * length, b, chunk, scratch) <= quota
+
+    if fits(hi):
+        return hi
+    lo = 0.0
+    for _ in range(60):  # Q is increasing in B: bisection to well below one sequence
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fitted_pool_ratio(
+    layout: KVLayout,
+    length: float,
+    quota: int,
+    *,
+    chunk: int | None = None,
+    max_batch: int | None = None,
+    scratch: bool | None = None,
+) -> tuple[float, ...]:
+    """The split of `quota` for sequences of `length` tokens (prompt + new tokens): each
+    group's share of Q for B = `fitted_batch(...)` such sequences, the batch the quota holds.
+
+    At this split a pool full of such sequences runs out of every group at once; any other
+    split leaves bytes in one group that the other needed. Unlike `default_pool_ratio` it
+    needs no batch hint: the batch follows from the quota.
+    """
+    b = max(
+        fitted_batch(layout, length, quota, chunk=chunk, max_batch=max_batch, scratch=scratch), 1e-9
+    )
+    chunk = layout.max_chunk if chunk is None else chunk
+    demands = group_demands(layout, b * length, b, chunk, scratch)
+    total = sum(demands)
+    return tuple(d / total for d in demands)
+
+
+# ----------------------------------------------------------------------------- adaptive split
+
+ADAPTIVE_GRID_STEPS = 8  # grid points per octave of each group's weight relative to group 0
+
+
+class AdaptiveSplit(NamedTuple):
+    """A split chosen by the adaptive policy: its grid point, weights and slots per group."""
+
+    point: tuple[int, ...]  # round(steps * log2(w_g / w_0)) per group g
+    ratio: tuple[float, ...]  # the weights of the grid point, normalised
+    num_slots: tuple[int, ...]
+
+
+def _log_weights(ratio: Sequence[float], steps: int) -> list[float]:
+    return [steps * math.log2(r / ratio[0]) for r in ratio]
+
+
+def adaptive_split(
+    layout: KVLayout,
+    requests: Sequence[tuple[int, int]],
+    quota: int,
+    *,
+    chunk: int | None = None,
+    max_batch: int | None = None,
+    need: Sequence[int] | None = None,
+    current: AdaptiveSplit | None = None,
+    steps: int = ADAPTIVE_GRID_STEPS,
+) -> AdaptiveSplit | None:
+    """The pool split for queued `requests`, (prompt tokens, max_new_tokens) pairs.
+
+    Policy (`pool_ratio="adaptive"`):
+      1. the exact split is `fitted_pool_ratio` at the mean of prompt + max_new_tokens (full
+         layers hold the sum of the lengths, which the mean gives; the window and chunk terms
+         do not depend on it);
+      2. it is snapped to a grid of `steps` points per octave of each group's weight relative
+         to group 0 (within +-4.4 % at 8 steps), so nearby workloads give the same slots and
+         reuse the same compiled layout;
+      3. hysteresis: None (keep `current`) while every weight of the exact split lies within one
+         grid step of `current`'s and `current` holds `need`;
+      4. every group gets at least `need[g]` slots, by default what the longest prompt with the
+         most new tokens needs alone (`request_slots`, prefill chunks of layout.max_chunk); the
+         bytes come from the other groups (ValueError if the quota cannot hold that).
+    chunk: prefill tokens of one step (default layout.max_chunk); max_batch: rows served at
+    once (default layout.max_batch).
+    """
+    if not requests or any(n < 1 or k < 1 for n, k in requests):
+        raise ValueError(
+            "requests must be a non-empty list of (prompt tokens >= 1, max_new_tokens >= 1), "
+            f"got {list(requests)[:8]}"
+        )
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    num_groups = len(layout.groups)
+    if need is None:
+        prompt, new = max(n for n, _ in requests), max(k for _, k in requests)
+        need = request_slots(layout, prompt, max_new_tokens=new - 1)
+    mean = sum(n + k for n, k in requests) / len(requests)
+    exact = fitted_pool_ratio(layout, mean, quota, chunk=chunk, max_batch=max_batch)
+    x = _log_weights(exact, steps)
+    if (
+        current is not None
+        and all(abs(a - e) <= 1.0 for a, e in zip(x, current.point, strict=True))
+        and all(n >= k for n, k in zip(current.num_slots, need, strict=True))
+    ):
+        return None
+    point = tuple(round(a) for a in x)
+    weights = [2.0 ** (e / steps) for e in point]
+    ratio = tuple(w / sum(weights) for w in weights)
+    slots = _split_slots(layout, quota, ratio, redistribute=True, minimum=need)
+    held = sum(n * layout.slot_bytes(g) for g, n in enumerate(slots))
+    if held > quota or any(n < k for n, k in zip(slots, need, strict=True)):
+        raise ValueError(
+            f"KV quota of {quota} bytes cannot hold one request needing {list(need)} slots per "
+            f"pool group of {[layout.slot_bytes(g) for g in range(num_groups)]} bytes"
+        )
+    return AdaptiveSplit(point, ratio, _check_slots(layout, quota, slots))
 
 
 # ----------------------------------------------------------------------------- per sequence

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 PAGE_TABLE_MODES = ("per_layer", "shared")
+ADAPTIVE = "adaptive"  # pool_ratio mode: the split follows the queued requests
 
 
 def _positive_int(name: str, value, *, allow_none: bool = True, minimum: int = 1) -> None:
@@ -36,9 +37,15 @@ class KVCacheConfig:
         `DEFAULT_FREE_MEMORY_FRACTION` of free memory. On a device without memory statistics (CPU)
         "free memory" is the host's available memory capped at `CPU_FREE_BYTES_CAP` (see
         `swajax._budget.device_free_bytes`).
-      pool_ratio: pinned split of the quota across pool groups: one positive weight per group, in
-        layout group order (normalised; the byte share of each group). None: derived from the
-        expected_* hints (DESIGN.md "Budget").
+      pool_ratio: how the quota is split across pool groups.
+        - a tuple: pinned, one positive weight per group in layout group order (normalised; the
+          byte share of each group);
+        - None: derived once from the expected_* hints (DESIGN.md "Budget");
+        - "adaptive": sized by the engine from the requests actually queued (their prompt +
+          max_new_tokens lengths), no hints needed. The split is the one that fits the most
+          such requests in the quota (`swajax.fitted_pool_ratio`), snapped to a coarse grid,
+          and changed only while the engine is idle (see `swajax.Engine`); the quota stays
+          the quota. Before the first request it is the hint default.
       enable_swa_scratch_reuse: None (policy default, see `resolve_scratch_policy`), True, False.
       dtype: KV dtype of every pool root: bfloat16, float32 or float8_e4m3fn (then each pool root
         has float32 K and V scales).
@@ -58,7 +65,7 @@ class KVCacheConfig:
     page_size: int = 32
     max_gpu_total_bytes: int | None = None
     free_gpu_memory_fraction: float | None = None
-    pool_ratio: tuple[float, ...] | None = None
+    pool_ratio: tuple[float, ...] | str | None = None
     enable_swa_scratch_reuse: bool | None = None
     dtype: Any = jnp.bfloat16
     max_rewind: int = 0
@@ -69,6 +76,11 @@ class KVCacheConfig:
     max_batch: int | None = None
     max_num_tokens: int | None = None
 
+    @property
+    def adaptive_pool_ratio(self) -> bool:
+        """Whether pool_ratio="adaptive": the split follows the queued requests."""
+        return isinstance(self.pool_ratio, str)
+
     def __post_init__(self):
         _positive_int("page_size", self.page_size, allow_none=False)
         _positive_int("max_gpu_total_bytes", self.max_gpu_total_bytes)
@@ -77,7 +89,13 @@ class KVCacheConfig:
             not isinstance(f, (int, float)) or isinstance(f, bool) or not 0.0 < f <= 1.0
         ):
             raise ValueError(f"free_gpu_memory_fraction must be in (0, 1], got {f!r}")
-        if self.pool_ratio is not None:
+        if isinstance(self.pool_ratio, str):
+            if self.pool_ratio != ADAPTIVE:
+                raise ValueError(
+                    f"pool_ratio must be None, {ADAPTIVE!r} or a tuple of positive floats (one "
+                    f"per pool group), got {self.pool_ratio!r}"
+                )
+        elif self.pool_ratio is not None:
             ratio = self.pool_ratio
             if isinstance(ratio, (int, float)):
                 ratio = (ratio,)
@@ -85,7 +103,8 @@ class KVCacheConfig:
                 ratio = tuple(float(r) for r in ratio)
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"pool_ratio must be a tuple of positive floats, got {self.pool_ratio!r}"
+                    f"pool_ratio must be None, {ADAPTIVE!r} or a tuple of positive floats, got "
+                    f"{self.pool_ratio!r}"
                 ) from None
             if not ratio or any(not math.isfinite(r) or r <= 0 for r in ratio):
                 raise ValueError(

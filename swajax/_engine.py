@@ -15,6 +15,19 @@ Several devices (`mesh=`, see `swajax._sharding`): the parameters are split over
 slot ledger and scheduler, a request goes to the replica holding the fewest requests, and one
 compiled step runs every replica.
 
+Adaptive pool split (`KVCacheConfig(pool_ratio="adaptive")`): the split of the byte quota
+across pool groups follows the requests queued, not hints. The split's slot counts are static
+shapes of the compiled step, so a new split is a new layout (compiled once, then shared like
+any other); the policy (`swajax._budget.adaptive_split`) keeps re-splits rare:
+  - only while the pool is idle: no running request and no parked prefix (an engine with a
+    prefix cache holding entries keeps its split until `clear_prefix_cache()`); queued
+    requests hold no slot, so nothing is lost;
+  - the split is the one that fits the most requests of the queue's mean length
+    (prompt + max_new_tokens) in the quota, snapped to a grid of 8 points per octave of each
+    group's weight, kept while the exact split stays within one grid step of it;
+  - every queued request fits the new split alone; the quota never changes.
+`Engine.adapt_pool` applies the policy at once (e.g. before `precompile`).
+
 Robustness: the donating step call defers SIGINT until the new state is held; an exception or
 KeyboardInterrupt inside `run` / `stream` aborts that call's requests and frees their rows, so
 the engine stays usable and leaks no slot (if the state itself was lost, the pool is rebuilt
@@ -38,10 +51,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from swajax import _sharding, _validate
-from swajax._budget import request_slots
+from swajax._budget import (
+    AdaptiveSplit,
+    adaptive_split,
+    kv_quota_bytes,
+    plan_num_slots,
+    request_slots,
+)
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import KVCacheConfig, resolve_scratch_policy
-from swajax._layout import make_layout
+from swajax._layout import make_layout, with_num_slots
 from swajax._ledger import SlotLedger
 from swajax._runner import (
     StepInputs,
@@ -203,6 +222,10 @@ class Engine:
         the per-device bytes of a slot (`KVLayout.tp`). ValueError for a mesh without "model"
         or a tp that cannot split the query or KV heads evenly.
 
+    With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
+    whenever the engine is idle and the policy says so (see the module docstring); until the
+    first request it is split by the hints.
+
     Compiled steps are shared by every engine of the same model structure and layout (the
     layout is deterministic: see `swajax._budget.round_quota`), and JAX's persistent
     compilation cache is on by default (`swajax._compilation_cache`), so a new engine or a new
@@ -263,15 +286,23 @@ class Engine:
                     f"a mesh needs a model with partition_specs(tp), got {type(model).__name__}"
                 )
             param_specs = model.partition_specs(tp)  # ValueError for tp vs query heads
-        self.layout = make_layout(
+        # The quota is read once: a re-split pool must not see the old pool as used memory.
+        self.quota = kv_quota_bytes(cfg)
+        layout = make_layout(
             config.layer_specs,
             cfg,
             max_context=max_context,
             max_batch=max_batch + prefix_cache_rows,
             max_chunk=chunk,
+            num_slots=1,
             scratch=scratch,
             tp=tp,
         )
+        self.layout = with_num_slots(layout, plan_num_slots(layout, cfg, self.quota))
+        self.kv_cache_config = cfg
+        self.adaptive = cfg.adaptive_pool_ratio
+        self._split: AdaptiveSplit | None = None  # the adaptive split in effect
+        self._headroom_fraction = admission_headroom
         self.serving_rows = max_batch
         self.max_num_tokens = max_num_tokens
         self.chunk = chunk
@@ -288,25 +319,14 @@ class Engine:
         self._ran: set = set()  # step variants (`_variant`) this engine has dispatched
         self._lock = threading.RLock()
         self._ids = itertools.count()
-        self._traces_at_start = trace_count(self.layout)
+        self._traces_at_start = {self.layout: trace_count(self.layout)}
         self._reset_pool()
         if precompile:
             self.precompile()
 
     def _reset_pool(self) -> None:
         """A fresh pool, ledger and scheduler per replica (every queued request is dropped)."""
-        if self.mesh is None:
-            self.state = init_state(self.layout)
-            # The previous step's page tables, updated in place by the gather (per_layer mode).
-            self.tables = initial_tables(self.layout)
-            self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
-        else:  # every replica's, concatenated along the first axis
-            self.state = _sharding.init_state_sharded(self.layout, self.mesh)
-            self.tables = _sharding.initial_tables_sharded(self.layout, self.mesh)
-            self._prev_tokens = jax.device_put(
-                np.zeros((self.num_replicas * self.layout.max_batch,), np.int32),
-                _sharding.replica_sharding(self.mesh),
-            )
+        self._init_pool()
         self.schedulers = [
             Scheduler(
                 SlotLedger(self.layout),
@@ -325,12 +345,27 @@ class Engine:
         self._stats: RunStats | None = None
         self._logit_rows: dict[int, int] | None = None
 
+    def _init_pool(self) -> None:
+        """Empty pool roots, page tables and previous tokens for `self.layout` (every replica's)."""
+        if self.mesh is None:
+            self.state = init_state(self.layout)
+            # The previous step's page tables, updated in place by the gather (per_layer mode).
+            self.tables = initial_tables(self.layout)
+            self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
+        else:  # every replica's, concatenated along the first axis
+            self.state = _sharding.init_state_sharded(self.layout, self.mesh)
+            self.tables = _sharding.initial_tables_sharded(self.layout, self.mesh)
+            self._prev_tokens = jax.device_put(
+                np.zeros((self.num_replicas * self.layout.max_batch,), np.int32),
+                _sharding.replica_sharding(self.mesh),
+            )
+
     # ------------------------------------------------------------------ properties
 
     @property
     def trace_count(self) -> int:
-        """Traces of the step for this engine's layout since the engine was made."""
-        return trace_count(self.layout) - self._traces_at_start
+        """Traces of the step for this engine's layouts since the engine was made."""
+        return sum(trace_count(lay) - n for lay, n in self._traces_at_start.items())
 
     @property
     def num_slots(self) -> tuple[int, ...]:
@@ -365,6 +400,16 @@ class Engine:
         need = request_slots(
             self.layout, prompt_len, chunk=self.chunk, max_new_tokens=max_new_tokens - 1
         )
+        if self.adaptive:  # the next split gives it what it needs if the quota holds that
+            nbytes = sum(n * self.layout.slot_bytes(g) for g, n in enumerate(need))
+            if nbytes > self.quota:
+                raise ValueError(
+                    f"a request of {prompt_len} prompt tokens + {max_new_tokens} new tokens needs "
+                    f"{nbytes} bytes of KV ({list(need)} slots per pool group) but the quota is "
+                    f"{self.quota} bytes; raise max_gpu_total_bytes / free_gpu_memory_fraction "
+                    "or shorten the request"
+                )
+            return
         for g, (n, have) in enumerate(zip(need, self.num_slots, strict=True)):
             if n > have:
                 raise ValueError(
@@ -441,6 +486,77 @@ class Engine:
         for i in ids:
             self._scheduler_of(i).abort([i])
             self._replica_of.pop(i, None)
+
+    def adapt_pool(
+        self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int = 1
+    ) -> bool:
+        """Applies the adaptive split policy now; returns whether the pool was split anew.
+
+        For the queued requests, or (given `prompt_lengths`) for requests of those prompt
+        lengths generating `max_new_tokens` each, e.g. before `precompile` so that a run's
+        first step finds its layout compiled. Only with pool_ratio="adaptive" (ValueError
+        otherwise); returns False while the pool is not idle (see the module docstring).
+        """
+        if not self.adaptive:
+            raise ValueError(
+                "adapt_pool needs KVCacheConfig(pool_ratio='adaptive'), got pool_ratio="
+                f"{self.kv_cache_config.pool_ratio!r}"
+            )
+        with self._lock:
+            if prompt_lengths is None:
+                requests = self._waiting_requests()
+            else:
+                max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
+                requests = [
+                    (_validate.positive_int("prompt_lengths[i]", n), max_new_tokens)
+                    for n in prompt_lengths
+                ]
+                for n, k in requests:
+                    self.check_fits(n, k)
+            if self._in_flight is not None or not requests:
+                return False
+            return self._adapt(requests)
+
+    def _waiting_requests(self) -> list[tuple[int, int]]:
+        """(prompt tokens, max_new_tokens) of every queued request, over the replicas."""
+        return [(len(r.prompt), r.max_new_tokens) for s in self.schedulers for r in s.waiting]
+
+    def _adapt(self, requests: Sequence[tuple[int, int]]) -> bool:
+        """Re-splits the idle pool for (prompt tokens, max_new_tokens) pairs if the policy asks.
+
+        With replicas, one split serves all of them (one compiled step runs every replica)."""
+        if not all(s.pool_idle for s in self.schedulers):
+            return False
+        split = adaptive_split(
+            self.layout,
+            requests,
+            self.quota,
+            chunk=self.max_num_tokens,
+            max_batch=self.serving_rows,
+            current=self._split,
+        )
+        if split is None:
+            return False
+        self._split = split
+        if split.num_slots == self.num_slots:
+            return False
+        self._resplit(split.num_slots)
+        return True
+
+    def _resplit(self, num_slots: Sequence[int]) -> None:
+        """A new, empty pool with `num_slots` per group; the queue (and its timing) is kept."""
+        layout = with_num_slots(self.layout, num_slots)
+        self.state = self.tables = None  # the old pool roots go before the new ones come
+        self.layout = layout
+        self._traces_at_start.setdefault(layout, trace_count(layout))
+        self._steps = {}  # compiled steps are per layout (and shared across engines)
+        self._ran = set()
+        self._init_pool()
+        self.headroom = default_headroom(self.num_slots, self._headroom_fraction)
+        for s in self.schedulers:
+            s.rebind(SlotLedger(layout), self.headroom)
+        if self._stats is not None:
+            self._stats.num_slots = tuple(n * self.num_replicas for n in self.num_slots)
 
     def clear_prefix_cache(self) -> None:
         """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
@@ -631,6 +747,10 @@ class Engine:
         first call of a run: that step's tokens come with the next call).
         """
         with self._lock:
+            if self.adaptive and self._in_flight is None:
+                waiting = self._waiting_requests()
+                if waiting:
+                    self._adapt(waiting)
             outputs, self._unclaimed = self._unclaimed, []
             previous, self._in_flight = self._in_flight, None
             plans = [s.schedule() if s.has_work else None for s in self.schedulers]

@@ -177,6 +177,30 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._release or self._free_next)
 
+    @property
+    def pool_idle(self) -> bool:
+        """Whether the pool holds nothing worth keeping: no running request and no parked
+        prefix or finished history about to be parked (waiting requests hold no slot)."""
+        if self.running:
+            return False
+        return self.cache is None or (len(self.cache) == 0 and not self._release)
+
+    def rebind(self, ledger: SlotLedger, headroom: Sequence[int]) -> None:
+        """Serves from `ledger`, a fresh pool of the same rows (e.g. split anew), keeping the
+        queue; only while `pool_idle`. Rows still held in the old pool are forgotten with it."""
+        if not self.pool_idle:
+            raise RuntimeError("rebind needs an idle pool (no running request, no parked prefix)")
+        if ledger.layout.max_batch != self.ledger.layout.max_batch:
+            raise ValueError(
+                f"the new pool has {ledger.layout.max_batch} rows, the old one "
+                f"{self.ledger.layout.max_batch}"
+            )
+        for r in self._release:
+            r.row = None
+        self.ledger, self.headroom = ledger, tuple(headroom)
+        self.rows = [None] * self.serving_rows
+        self._release, self._free_next = [], []
+
     def abort(self, request_ids: Sequence[int]) -> list[int]:
         """Drops these requests; returns the rows to free (their KV is released next step)."""
         rows = []

@@ -11,7 +11,8 @@ from swajax import _budget
 
 S = swajax.LayerSpec
 # 3 sliding layers (W = 40) and 1 full layer, 1 KV head x 8 dims, bf16: 32 bytes per token and
-# layer (K + V). tpb 16: sliding slot = 3 * 16 * 32 = 1536 B, full slot = 512 B.
+# layer (K + V). tpb 16: sliding slot = 3 * 16 * 32 = 1536 B, full slot = 512 B. A decoding
+# row's window spans 3 or 4 blocks, (40 + 15) / 16 on average: R_w = 55 tokens * 96 B = 5280 B.
 SPECS = [S(40, 1, 8, 0), S(40, 1, 8, 1), S(None, 1, 8, 2), S(40, 1, 8, 3)]
 
 
@@ -32,13 +33,30 @@ def test_slot_bytes():
 
 def test_quota_for_tokens_by_hand():
     # T = 1000, B = 4, M = 256. F_full = 32 B/token, F_sliding = 96 B/token.
-    # full: 1000 * 32 = 32000. sliding without scratch: 256 * 96 + 4 * 48 * 96 = 43008;
-    # with scratch the chunk costs one layer: 256 * 32 + 18432 = 26624.
+    # full: 1000 * 32 = 32000. sliding without scratch: 256 * 96 + 4 * 5280 = 45696;
+    # with scratch the chunk costs one layer: 256 * 32 + 21120 = 29312.
     lay = layout()
-    assert _budget.group_demands(lay, 1000, 4, 256, scratch=False) == (43008, 32000)
-    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=False) == 75008
-    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=True) == 58624
-    assert swajax.quota_for_tokens(lay, 100, 4, 256, scratch=True) == 100 * 32 + 100 * 32 + 18432
+    assert _budget.group_demands(lay, 1000, 4, 256, scratch=False) == (45696, 32000)
+    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=False) == 77696
+    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=True) == 61312
+    assert swajax.quota_for_tokens(lay, 100, 4, 256, scratch=True) == 100 * 32 + 100 * 32 + 21120
+
+
+@pytest.mark.parametrize("rewind", [0, 20])
+def test_window_term_is_what_a_decoding_row_holds(rewind):
+    """R_w is what the ledger holds for a decoding row's window after each step's reserve,
+    averaged over the tpb positions of its history in a block: W + rewind + tpb - 1 tokens."""
+    lay = layout(max_batch=1, scratch=False, num_slots=10_000, max_rewind=rewind)
+    ledger = swajax.SlotLedger(lay)
+    assert ledger.reserve({0: 300})
+    ledger.advance()
+    held = []
+    for _ in range(64):
+        assert ledger.reserve({0: 1})
+        held.append(ledger.row_slots(0)[0])
+        ledger.advance()
+    assert sum(held) == 4 * (40 + rewind + 15)  # 64 steps: each of 16 positions 4 times
+    assert _budget.group_demands(lay, 0, 1, 256)[0] == (40 + rewind + 15) * 96
 
 
 def test_pinned_ratio_split():
@@ -66,7 +84,7 @@ def test_default_ratio_moves_bytes_to_full_with_scratch():
         c = swajax.KVCacheConfig(enable_swa_scratch_reuse=scratch, **cfg)
         lay = swajax.make_layout(SPECS, c, max_context=8192, max_batch=4)  # no group capped
         # shares of Q for T = 1000, B = 4, M = 256 (see test_quota_for_tokens_by_hand)
-        sliding_q = 43008 if not scratch else 26624
+        sliding_q = 45696 if not scratch else 29312
         share = sliding_q / (sliding_q + 32000)
         assert lay.groups[0].num_slots == int(1_000_000 * share) // 1536
         assert lay.groups[1].num_slots == int(1_000_000 * (1 - share)) // 512

@@ -1,5 +1,5 @@
-"""Smoke tests of experiments/kv_memory.py, experiments/walkthrough.py and the preset mode of
-experiments/bench_kernels.py at tiny sizes.
+"""Smoke tests of experiments/kv_memory.py, experiments/walkthrough.py, the preset mode of
+experiments/bench_kernels.py and experiments/swa_scratch_throughput.py at tiny sizes.
 
 The scripts are loaded from their files (nothing imports `experiments` as a package). Oracles:
 the gemma configs' own bytes per token (full mode), hand-computed slot counts, the DESIGN.md
@@ -37,6 +37,7 @@ def _load(name: str):
 kv_memory = _load("kv_memory")
 walkthrough = _load("walkthrough")
 bench_kernels = _load("bench_kernels")
+swa_scratch = _load("swa_scratch_throughput")
 
 
 # ----------------------------------------------------------------------------- kv_memory
@@ -209,3 +210,77 @@ def test_bench_kernels_presets_quick(tmp_path, monkeypatch, capsys):
     )
     assert res["versions"]["jax"] and res["copy_tbs"] > 0 and res["sources_sha256"]
     assert "q8kv1d512-full" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- swa_scratch
+
+
+def test_swa_scratch_throughput_quick(tmp_path, capsys):
+    """The experiment at tiny sizes on CPU: a chunk (128) eight times the window (16), five
+    sliding layers in one pool. Oracles: the OFF cells' tokens (greedy), the cap, and the
+    ledger simulation of the same workload (it plans what the engine runs)."""
+    out = tmp_path / "swa.json"
+    argv = ["--quick", "--setups", "pinned_8k,adaptive", "--out", str(out)]
+    swa_scratch.main(argv)
+    data = json.loads(out.read_text())
+    recs = {(r["setup"], r["scratch"]): r for r in data["records"]}
+    assert set(recs) == {("pinned_8k", False), ("pinned_8k", True), ("adaptive", True)}
+    assert [r.get("error") for r in recs.values() if "error" in r] == []
+    on, off, adaptive = recs["pinned_8k", True], recs["pinned_8k", False], recs["adaptive", True]
+    assert on["same_tokens_as_off"] and adaptive["same_tokens_as_off"]
+    assert on["request_digests"] == off["request_digests"] == adaptive["request_digests"]
+    # the same cap: scratch ON frees sliding bytes for full-layer history, so more rows run
+    cap = data["caps"]["gemma4_e2b"]
+    assert all(r["kv_cap_bytes"] == cap >= r["pool_bytes"] for r in recs.values())
+    assert on["max_concurrent"] > off["max_concurrent"]
+    assert adaptive["max_concurrent"] > off["max_concurrent"]
+    assert on["num_slots"][1] > off["num_slots"][1]  # group 1: the full layers
+    for r in recs.values():
+        assert r["traces_in_run"] == 0  # the warm-up compiled every step shape
+        assert r["output_tokens"] == 8 * 8 and r["output_tokens_per_s"] > 0
+        p = r["predicted"]
+        assert (p["steps"], p["max_concurrent"], p["preemptions"]) == (
+            r["steps"],
+            r["max_concurrent"],
+            r["preemptions"],
+        )
+        assert p["peak_slots"] == r["peak_slots"] and p["num_slots"] == r["num_slots"]
+    row = data["comparison"]["gemma4_e2b"]
+    assert row["pinned_8k"]["published_pct"] == 59.6 and "adaptive" in row
+    table = capsys.readouterr().out
+    assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table
+    assert (tmp_path / "swa.png").stat().st_size > 10_000
+    # a second invocation replaces its cells and keeps the others
+    swa_scratch.main(["--quick", "--setups", "adaptive", "--out", str(out)])
+    again = json.loads(out.read_text())
+    assert len(again["runs"]) == 2 and len(again["records"]) == 3
+    assert {(r["setup"], r["scratch"]) for r in again["records"]} == set(recs)
+
+
+def test_swa_scratch_records_merge_and_token_check():
+    def rec(setup, scratch, digests, **kw):
+        return dict(
+            preset="p",
+            setup=setup,
+            scratch=scratch,
+            workload={"n": 1},
+            request_digests=digests,
+            output_tokens_per_s=kw.pop("tps", 10.0),
+            **kw,
+        )
+
+    old = [rec("pinned_8k", False, ["a", "b"]), rec("pinned_8k", True, ["a", "x"])]
+    new = [rec("pinned_8k", True, ["a", "b"], tps=15.0), rec("adaptive", True, ["a", "c"])]
+    merged = swa_scratch.merge(old, new)
+    assert [(r["setup"], r["scratch"]) for r in merged] == [
+        ("pinned_8k", False),
+        ("pinned_8k", True),
+        ("adaptive", True),
+    ]
+    swa_scratch.mark_same_tokens(merged)
+    assert merged[1]["same_tokens_as_off"] and not merged[2]["same_tokens_as_off"]
+    assert merged[2]["requests_differing_from_off"] == [1]
+    comp = swa_scratch.comparison(merged)["p"]
+    assert comp["pinned_8k"]["change_pct"] == pytest.approx(50.0)
+    assert comp["adaptive"]["off_reference"] == "pinned_8k"
+    assert comp["adaptive"]["change_vs_reference_off_pct"] == pytest.approx(0.0)

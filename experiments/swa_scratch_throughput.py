@@ -1,0 +1,937 @@
+"""SWA scratch reuse under KV-memory pressure: generation throughput with scratch reuse ON vs OFF
+for every Gemma 3 / Gemma 4 preset and three ways to split the KV quota across pool groups,
+beside the published result (TensorRT-LLM, KV cache manager V2, B200).
+
+    # H200, one model per invocation; records merge into the JSON by (preset, setup, scratch):
+    SWAJAX_GIT_COMMIT=<sha> PYTHONPATH=. python3 experiments/swa_scratch_throughput.py \\
+        --presets gemma4_e2b --out $OUT/swa_scratch_h200.json \\
+        --merge experiments/results/swa_scratch_h200.json
+    # predictions and time estimates only (scheduler + slot ledger on the host, no model):
+    PYTHONPATH=. .venv/bin/python experiments/swa_scratch_throughput.py --simulate
+    # the same script at tiny sizes on CPU (tests/test_experiments.py runs it):
+    PYTHONPATH=. .venv/bin/python experiments/swa_scratch_throughput.py --quick --out /tmp/s.json
+
+Workload per preset (`--requests`, `--input-mean`, `--output-len`, `--seed`): random bf16
+weights (no download); `requests` random prompts with lengths uniform in
+[3/4, 5/4] x input_mean (6K-10K at the default 8K), each generating exactly `output_len` tokens
+greedily (no stop tokens); bf16 KV, page 32, the engine's default token budget of 8192 tokens
+per step (TensorRT-LLM's default max_num_tokens; prefill chunk = budget), Pallas kernels,
+`--rows` serving rows (enough that the KV pool, not the rows, bounds concurrency).
+
+KV cap, the same for every cell of a preset: `--cap-seqs` (8) x the steady-state KV bytes of one
+sequence of input_mean + output_len tokens (after its prefill and decode: every token in full
+layers, the window in sliding layers; the same with scratch ON and OFF).
+
+Setups, each with scratch ON and OFF, the split derived in the cell's own scratch mode:
+  cap_only   pool_ratio unset: the library's default split from the hints
+             expected_input_length = `--default-isl` (2048: TensorRT-LLM's initial split assumes
+             an average ISL of 2K) and expected_batch_size = the batch of such sequences the cap
+             holds (`swajax.fitted_batch`);
+  pinned_8k  pool_ratio pinned to `swajax.fitted_pool_ratio` for an expected ISL of input_mean
+             (8K): the split at which a pool full of 8K sequences runs out of every group at once;
+  adaptive   pool_ratio="adaptive" (scratch ON only): the engine splits the quota for the
+             requests queued, no hints (`Engine.adapt_pool` before the precompile, so that the
+             timed run compiles nothing).
+Each cell: an engine, every step shape compiled up front (`precompile`; layouts of equal slots
+share their compiled steps, and the persistent compilation cache serves later invocations), then
+one timed `Engine.run`. Recorded per cell: output and total tokens/s, steps, peak and mean slots
+per group, max concurrent rows, preemptions, TTFT / inter-token latency, a digest of every
+request's tokens (`same_tokens_as_off`: ON equals OFF of the same setup, and adaptive equals the
+OFF cells), the split and the ledger simulation's prediction (`predicted`). An error in one cell is
+recorded in it and the next cell runs.
+
+Prediction (`--simulate`, and `predicted` in every record): the engine's own scheduler and
+`SlotLedger` plan the whole workload on the host (no pipelining); each planned step costs
+max(bytes / copy rate, FLOPs / matmul rate) at H200 rates and efficiencies measured in earlier
+runs (`H200`), bytes and FLOPs from `bench_generate` (weights, KV read per decode row, matmul
+FLOPs of the padded token bucket, attention FLOPs).
+
+Writes the JSON (device, versions, git commit, every invocation's metadata, caps, the prompts'
+seed, `records`, `comparison`) and a PNG beside it (per model: the ON vs OFF change per setup,
+ours beside the published percentages), and prints both tables side by side.
+"""
+
+# %%
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+PRESETS = (
+    "gemma4_e2b",
+    "gemma4_e4b",
+    "gemma4_12b",
+    "gemma4_26b_a4b",
+    "gemma4_31b",
+    "gemma3_270m",
+    "gemma3_1b",
+    "gemma3_4b",
+    "gemma3_12b",
+    "gemma3_27b",
+)
+SETUPS = ("cap_only", "pinned_8k", "adaptive")
+SCRATCH = {"cap_only": (False, True), "pinned_8k": (False, True), "adaptive": (True,)}
+# Published ON vs OFF throughput change, % (TensorRT-LLM, KV cache manager V2, B200).
+PUBLISHED = {
+    "gemma4_e2b": {"cap_only": -0.1, "pinned_8k": 59.6},
+    "gemma4_e4b": {"cap_only": -1.2, "pinned_8k": 37.9},
+    "gemma4_12b": {"cap_only": 0.8, "pinned_8k": 8.6},
+    "gemma4_26b_a4b": {"cap_only": -1.1, "pinned_8k": 11.3},
+    "gemma4_31b": {"cap_only": -0.1, "pinned_8k": 6.9},
+}
+# H200 rates for the estimates: copy 4.05-4.24 TB/s and bf16 matmul 694 TFLOP/s measured
+# (NOTES.md, h200_baselines.json); one Gemma 3 4B decode step ran at 0.58 of its bytes floor
+# (model_h200_v3.json); the prefill share and the compile time per step variant are assumptions.
+H200 = dict(copy_tbs=4.1, matmul_tflops=694.0, decode_efficiency=0.58, prefill_efficiency=0.5)
+DEVICE_CALL_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """Every parameter of a run (recorded in the JSON)."""
+
+    requests: int = 64
+    input_mean: int = 8192
+    output_len: int = 256
+    rows: int = 32
+    cap_seqs: float = 8.0
+    default_isl: int = 2048
+    seed: int = 0
+    page_size: int = 32
+    max_num_tokens: int = 8192
+    kv_dtype: str = "bfloat16"
+    weight_dtype: str = "bfloat16"
+    implementation: str = "pallas"
+    # Admissions leave this share of each group free for the running rows' decode growth
+    # (8 rows x 256 tokens = 64 full blocks, ~3 % of the full group at the default cap); the
+    # engine's 1 % makes it preempt and recompute 8K prompts, which then dominates the timings.
+    admission_headroom: float = 0.04
+    compile_s: float = 45.0  # per step variant, for the time estimate
+    cell_limit_s: float = 300.0  # a cell's timed run stops here (recorded as an error); 0: none
+    quick: bool = False
+
+    @property
+    def workload(self) -> dict:
+        """What two cells must share to be compared."""
+        keys = ("requests", "input_mean", "output_len", "rows", "cap_seqs", "seed", "page_size")
+        keys += ("max_num_tokens", "admission_headroom")
+        return {k: getattr(self, k) for k in keys}
+
+
+QUICK = Params(
+    requests=8,
+    input_mean=192,
+    output_len=8,
+    rows=8,
+    cap_seqs=4.0,
+    default_isl=48,
+    page_size=16,
+    max_num_tokens=128,
+    kv_dtype="float32",
+    weight_dtype="float32",
+    implementation="reference",
+    compile_s=3.0,
+    cell_limit_s=0.0,
+    quick=True,
+)
+
+
+# %% model and workload
+def model_config(preset: str, params: Params):
+    """The full-size preset, or (quick) a seven-layer model of its family: five sliding layers
+    sharing one pool (so a chunk far longer than the 16-token window costs them much more
+    without scratch), one full layer and, for presets with KV sharing, a shared sliding layer."""
+    import gemma
+
+    if not params.quick:
+        return gemma.configs.preset(preset)
+    tiny = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        sliding_window=16,
+        max_context=512,
+    )
+    layer_types = ("sliding",) * 5 + ("full",)
+    if preset.startswith("gemma4"):
+        tiny["global_head_dim"] = 16
+        if gemma.configs.preset(preset).num_kv_shared_layers:
+            layer_types += ("sliding",)
+            tiny["num_kv_shared_layers"] = 1
+    return gemma.configs.small_preset(
+        preset, num_layers=len(layer_types), layer_types=layer_types, **tiny
+    )
+
+
+def make_prompts(vocab_size: int, params: Params) -> list[list[int]]:
+    """`requests` random prompts, lengths uniform in [3/4, 5/4] x input_mean (fixed seed)."""
+    rng = np.random.default_rng(params.seed)
+    lo, hi = params.input_mean * 3 // 4, params.input_mean * 5 // 4
+    lengths = rng.integers(lo, hi + 1, size=params.requests)
+    return [rng.integers(1, vocab_size, size=int(n)).tolist() for n in lengths]
+
+
+def max_context(prompts, params: Params) -> int:
+    return max(len(p) for p in prompts) + params.output_len
+
+
+def base_kv_config(params: Params, scratch: bool, **kw):
+    import swajax
+
+    return swajax.KVCacheConfig(
+        page_size=params.page_size, dtype=params.kv_dtype, enable_swa_scratch_reuse=scratch, **kw
+    )
+
+
+def kv_cap_bytes(config, params: Params) -> int:
+    """`cap_seqs` x the steady-state KV bytes of one input_mean + output_len sequence."""
+    import swajax
+
+    steady = swajax.kv_bytes_per_sequence(
+        config.layer_specs,
+        params.input_mean + params.output_len,
+        params.max_num_tokens,
+        "release",
+        kv_cache_config=base_kv_config(params, False),
+    ).steady
+    return int(params.cap_seqs * steady)
+
+
+def slot_free_layout(config, params: Params, scratch: bool, context: int):
+    import swajax
+
+    return swajax.make_layout(
+        config.layer_specs,
+        base_kv_config(params, scratch),
+        max_context=context,
+        max_batch=params.rows,
+        max_chunk=min(params.max_num_tokens, context),
+        num_slots=1,
+        scratch=scratch,
+    )
+
+
+def cell_kv_config(config, params: Params, setup: str, scratch: bool, cap: int, context: int):
+    """(KVCacheConfig, what the split was derived from) of one cell."""
+    import swajax
+
+    lay = slot_free_layout(config, params, scratch, context)
+    budget = params.max_num_tokens
+    if setup == "cap_only":
+        b = swajax.fitted_batch(lay, params.default_isl, cap, chunk=budget, max_batch=params.rows)
+        hints = dict(expected_input_length=params.default_isl, expected_batch_size=max(1, round(b)))
+        return base_kv_config(params, scratch, max_gpu_total_bytes=cap, **hints), hints
+    if setup == "pinned_8k":
+        ratio = swajax.fitted_pool_ratio(
+            lay, params.input_mean, cap, chunk=budget, max_batch=params.rows
+        )
+        return base_kv_config(params, scratch, max_gpu_total_bytes=cap, pool_ratio=ratio), {
+            "expected_input_length": params.input_mean,
+            "pool_ratio": ratio,
+        }
+    if setup == "adaptive":
+        return base_kv_config(params, scratch, max_gpu_total_bytes=cap, pool_ratio="adaptive"), {}
+    raise ValueError(f"setup must be one of {SETUPS}, got {setup!r}")
+
+
+def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, prompts):
+    """The layout a cell's engine serves the workload on (the adaptive split applied)."""
+    import swajax
+
+    context = max_context(prompts, params)
+    kv, _ = cell_kv_config(config, params, setup, scratch, cap, context)
+    lay = swajax.make_layout(
+        config.layer_specs,
+        kv,
+        max_context=context,
+        max_batch=params.rows,
+        max_chunk=min(params.max_num_tokens, context),
+        scratch=scratch,
+    )
+    if setup == "adaptive":
+        split = swajax.adaptive_split(
+            lay,
+            [(len(p), params.output_len) for p in prompts],
+            cap,
+            chunk=params.max_num_tokens,
+            max_batch=params.rows,
+        )
+        lay = swajax._layout.with_num_slots(lay, split.num_slots)
+    return lay
+
+
+# %% prediction: the engine's scheduler on the host, steps costed at H200 rates
+def weight_bytes(config, params: Params) -> int:
+    """Parameter bytes read per step (the per-layer embedding table is looked up, not read)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import gemma
+
+    dtype = jnp.dtype(params.weight_dtype)
+    abstract = nnx.eval_shape(
+        lambda: gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    )
+    return sum(
+        int(np.prod(x.shape)) * x.dtype.itemsize
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(abstract, nnx.Param))
+        if "per_layer_embedding" not in jax.tree_util.keystr(path)
+    )
+
+
+def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
+    """Plans the workload with the engine's `Scheduler` and `SlotLedger` (no device) and costs
+    every step; returns steps, concurrency, preemptions, slots and the estimated seconds."""
+    import jax.numpy as jnp
+
+    from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
+    from swajax import request_slots
+    from swajax._ledger import SlotLedger
+    from swajax._scheduler import Request, Scheduler, default_headroom
+
+    num_slots = tuple(g.num_slots for g in layout.groups)
+    sched = Scheduler(
+        SlotLedger(layout),
+        serving_rows=params.rows,
+        max_num_tokens=params.max_num_tokens,
+        chunk=layout.max_chunk,
+        headroom=default_headroom(num_slots, params.admission_headroom),
+    )
+    for i, p in enumerate(prompts):
+        # what `Engine.check_fits` refuses (the scheduler would preempt it forever)
+        need = request_slots(layout, len(p), max_new_tokens=params.output_len - 1)
+        if any(n > have for n, have in zip(need, num_slots, strict=True)):
+            raise ValueError(
+                f"a request of {len(p)} prompt tokens + {params.output_len} new tokens needs "
+                f"{list(need)} slots per pool group but the pool has {list(num_slots)}"
+            )
+        sched.add(Request(id=i, prompt=(0,) * len(p), max_new_tokens=params.output_len))
+    per_token = matmul_flops_per_token(config)
+    itemsize = jnp.dtype(params.kv_dtype).itemsize
+    copy = H200["copy_tbs"] * 1e12 * H200["decode_efficiency"]
+    matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
+    decode_bucket = -(-params.rows // 8) * 8
+    steps = prefill_steps = 0
+    seconds = prefill_seconds = 0.0
+    concurrent, used = [], []
+    while sched.has_work:
+        plan = sched.schedule()
+        if plan is None:
+            raise RuntimeError("the scheduler planned nothing with requests queued")
+        if not plan.new_tokens:
+            continue
+        steps += 1
+        nbytes, flops = weights, 0
+        for row, n in plan.new_tokens.items():
+            start = sched.rows[row].fed - n
+            if n == 1:
+                nbytes += kv_read_bytes(config, start, itemsize)
+            else:
+                flops += attention_flops(config, np.arange(start, start + n))
+        if plan.decode_only:
+            flops += decode_bucket * per_token
+        else:
+            prefill_steps += 1
+            flops += params.max_num_tokens * per_token  # the step is padded to the budget
+        t = max(nbytes / copy, flops / matmul)
+        seconds += t
+        prefill_seconds += 0.0 if plan.decode_only else t
+        concurrent.append(len(plan.new_tokens))
+        used.append(plan.used)
+        sched.on_sampled(plan, dict.fromkeys(plan.samples, 0))
+    total = sum(len(p) for p in prompts) + params.requests * params.output_len
+    return dict(
+        steps=steps,
+        prefill_steps=prefill_steps,
+        max_concurrent=max(concurrent),
+        mean_concurrent=float(np.mean(concurrent)),
+        preemptions=sched.counters.preemptions,
+        num_slots=list(num_slots),
+        peak_slots=[int(x) for x in np.max(used, axis=0)],
+        mean_slots=[float(x) for x in np.mean(used, axis=0)],
+        est_seconds=seconds,
+        est_prefill_share=prefill_seconds / seconds,
+        est_output_tokens_per_s=params.requests * params.output_len / seconds,
+        est_total_tokens_per_s=total / seconds,
+    )
+
+
+def estimate(predicted: dict[tuple, dict], params: Params, weights: int, scale=1.0) -> dict:
+    """Seconds of one preset's invocation: init + compiles (two step variants per distinct
+    layout, compiled in parallel threads) + the predicted runs (each at most cell_limit_s),
+    the runs scaled by `scale` (requests / simulated requests: steps grow with the requests)."""
+    layouts = {(s, tuple(p["num_slots"])) for (_, s), p in predicted.items()}
+    init = 5.0 + weights / 4e9
+    compile_s = 1.2 * params.compile_s * len(layouts)
+    limit = params.cell_limit_s or float("inf")
+    runs = sum(min(scale * p["est_seconds"], limit) for p in predicted.values())
+    return dict(init_s=init, compile_s=compile_s, run_s=runs, total_s=init + compile_s + runs)
+
+
+REQUEST_STEPS = (128, 96, 64, 48, 32, 24, 16)
+
+
+def plan_calls(preset: str, predicted: dict, params: Params, weights: int, budget: float):
+    """Device calls of at most `budget` seconds each for this preset: the most requests (of
+    REQUEST_STEPS up to twice the simulated count; the same in every call, so that the cells
+    compare) at which every setup fits one call, or cap_only one call and the others a second.
+    Returns [(setups, requests, estimated seconds)]."""
+    ok = {k: v for k, v in predicted.items() if "error" not in v}
+    splits = [tuple(SETUPS)], [("cap_only",), ("pinned_8k", "adaptive")]
+    for n in (n for n in REQUEST_STEPS if n <= 2 * params.requests):
+        for split in splits:
+            calls = []
+            for setups in split:
+                cells = {k: v for k, v in ok.items() if k[0] in setups}
+                calls.append((setups, n, estimate(cells, params, weights, n / params.requests)))
+            if all(est["total_s"] <= budget for _, _, est in calls):
+                return [(setups, n, est["total_s"]) for setups, n, est in calls]
+    return [(tuple(SETUPS), REQUEST_STEPS[-1], float("nan"))]
+
+
+# %% one cell on the device
+class CellLimit(RuntimeError):
+    """A cell's run passed `cell_limit_s` (e.g. a preemption storm); carries its progress."""
+
+    def __init__(self, limit: float, seconds: float, tokens: int):
+        super().__init__(
+            f"stopped at the cell limit of {limit:g} s: {tokens} output tokens in {seconds:.1f} s"
+        )
+        self.seconds, self.tokens = seconds, tokens
+
+
+def digests(outputs) -> list[str]:
+    return [hashlib.sha256(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
+
+
+def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int, prompts):
+    import jax
+
+    import swajax
+
+    context = max_context(prompts, params)
+    kv, derived = cell_kv_config(config, params, setup, scratch, cap, context)
+    t0 = time.perf_counter()
+    engine = swajax.Engine(
+        model,
+        kv,
+        max_context=context,
+        max_batch=params.rows,
+        max_num_tokens=params.max_num_tokens,
+        implementation=params.implementation,
+        admission_headroom=params.admission_headroom,
+    )
+    if setup == "adaptive":
+        engine.adapt_pool([len(p) for p in prompts], params.output_len)
+    if jax.config.jax_compilation_cache_dir:  # else the warm-up would compile them again
+        engine.precompile()  # both step shapes at once, in threads
+    # A warm-up request through the jit path (its executables then come from the cache or
+    # are compiled here); as long as the workload's mean request, so that the adaptive policy
+    # keeps its split.
+    mean = round(np.mean([len(p) for p in prompts])) + params.output_len - 2
+    engine.run([prompts[0][:1] * mean], 2)
+    compile_s = time.perf_counter() - t0
+    traces = engine.trace_count
+    progress = {"tokens": 0}
+    start = time.perf_counter()
+
+    def guard(i, out):
+        progress["tokens"] += len(out.new_token_ids)
+        elapsed = time.perf_counter() - start
+        if params.cell_limit_s and elapsed > params.cell_limit_s:
+            raise CellLimit(params.cell_limit_s, elapsed, progress["tokens"])
+
+    outputs, stats = engine.run(prompts, params.output_len, callback=guard)
+    layout = engine.layout
+    slot_bytes = [layout.slot_bytes(g) for g in range(len(layout.groups))]
+    pool = [n * b for n, b in zip(engine.num_slots, slot_bytes, strict=True)]
+    rec = dict(
+        seconds=stats.seconds,
+        output_tokens_per_s=stats.output_tokens / stats.seconds,
+        total_tokens_per_s=(sum(map(len, prompts)) + stats.output_tokens) / stats.seconds,
+        processed_tokens_per_s=stats.tokens_per_second,  # recomputed prompt tokens included
+        steps=stats.steps,
+        prefill_tokens=stats.prefill_tokens,
+        decode_tokens=stats.decode_tokens,
+        output_tokens=stats.output_tokens,
+        groups=[g.window for g in layout.groups],  # None: full attention
+        slot_bytes=slot_bytes,
+        num_slots=list(engine.num_slots),
+        pool_bytes=sum(pool),
+        pool_ratio=[b / sum(pool) for b in pool],
+        split_from=derived,
+        peak_slots=list(stats.peak_slots),
+        mean_slots=list(stats.mean_slots),
+        max_concurrent=stats.max_concurrent,
+        preemptions=stats.preemptions,
+        ttft_s=stats.ttft,
+        itl_s=stats.itl,
+        compile_s=compile_s,
+        traces_before_run=traces,
+        traces_in_run=engine.trace_count - traces,
+        request_digests=digests(outputs),
+    )
+    del engine
+    gc.collect()
+    return rec, outputs
+
+
+# %% records, comparison, table, plot
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """Records of `old` not replaced by a record of `new` with the same (preset, setup, scratch),
+    then `new`."""
+    key = lambda r: (r["preset"], r["setup"], r["scratch"])  # noqa: E731
+    replaced = {key(r) for r in new}
+    return [r for r in old if key(r) not in replaced] + list(new)
+
+
+def _cell(records, preset, setup, scratch, workload=None):
+    for r in records:
+        if (r["preset"], r["setup"], r["scratch"]) == (preset, setup, scratch) and (
+            workload is None or r.get("workload") == workload
+        ):
+            return r
+    return None
+
+
+def _ok(r, key="output_tokens_per_s") -> bool:
+    return r is not None and "error" not in r and key in r
+
+
+def _change(on, off, key="output_tokens_per_s") -> float | None:
+    if not (_ok(on, key) and _ok(off, key)):
+        return None
+    return 100.0 * (on[key] / off[key] - 1.0)
+
+
+def _predicted_change(on, off) -> float | None:
+    if on is None or off is None:
+        return None
+    return _change(on.get("predicted"), off.get("predicted"), "est_output_tokens_per_s")
+
+
+def mark_same_tokens(records: list[dict]) -> None:
+    """same_tokens_as_off of every ON cell: its tokens (digests) equal those of the OFF cell of
+    its setup (adaptive: of every OFF cell of the preset) with the same workload."""
+    for r in records:
+        if not r["scratch"] or "request_digests" not in r:
+            continue
+        setups = (r["setup"],) if r["setup"] != "adaptive" else ("cap_only", "pinned_8k")
+        offs = [_cell(records, r["preset"], s, False, r.get("workload")) for s in setups]
+        offs = [o for o in offs if o is not None and "request_digests" in o]
+        if not offs:
+            r.pop("same_tokens_as_off", None)
+            continue
+        differ = {
+            i
+            for o in offs
+            for i, (a, b) in enumerate(zip(r["request_digests"], o["request_digests"], strict=True))
+            if a != b
+        }
+        r["same_tokens_as_off"] = not differ
+        r["requests_differing_from_off"] = sorted(differ)
+
+
+def comparison(records: list[dict]) -> dict:
+    """Per preset: ON vs OFF change (%) per setup, ours (measured and predicted) and published;
+    adaptive ON against the untuned OFF (cap_only) and the best OFF, and against the best ON
+    of cap_only / pinned_8k."""
+    out = {}
+    for preset in dict.fromkeys(r["preset"] for r in records):
+        row = {}
+        for setup in ("cap_only", "pinned_8k"):
+            on, off = (_cell(records, preset, setup, s) for s in (True, False))
+            if on is None and off is None:
+                continue
+            wl = on.get("workload") if on else None
+            if off is not None and off.get("workload") != wl:
+                off = None
+            row[setup] = dict(
+                change_pct=_change(on, off),
+                total_change_pct=_change(on, off, "total_tokens_per_s"),
+                predicted_change_pct=_predicted_change(on, off),
+                published_pct=PUBLISHED.get(preset, {}).get(setup),
+            )
+        ad = _cell(records, preset, "adaptive", True)
+        if ad is not None:
+            wl = ad.get("workload")
+            offs = [_cell(records, preset, s, False, wl) for s in ("cap_only", "pinned_8k")]
+            ons = [_cell(records, preset, s, True, wl) for s in ("cap_only", "pinned_8k")]
+            best_off = max((o for o in offs if _ok(o)), key=_tps, default=None)
+            best_on = max((o for o in ons if _ok(o)), key=_tps, default=None)
+            pred_on = [o for o in ons if o is not None and _ok(o.get("predicted"), _EST)]
+            pred_best_on = max(pred_on, key=lambda o: o["predicted"][_EST], default=None)
+            row["adaptive"] = dict(
+                change_vs_cap_only_off_pct=_change(ad, offs[0]),
+                off_reference="cap_only" if _ok(offs[0]) else (best_off or {}).get("setup"),
+                change_vs_reference_off_pct=_change(ad, offs[0] if _ok(offs[0]) else best_off),
+                change_vs_best_off_pct=_change(ad, best_off),
+                vs_best_on_pct=_change(ad, best_on),
+                within_5pct_of_best_on=(
+                    None if _change(ad, best_on) is None else _change(ad, best_on) >= -5.0
+                ),
+                predicted_change_vs_cap_only_off_pct=_predicted_change(ad, offs[0]),
+                predicted_vs_best_on_pct=_predicted_change(ad, pred_best_on),
+            )
+        out[preset] = row
+    return out
+
+
+def _tps(r) -> float:
+    return r["output_tokens_per_s"]
+
+
+_EST = "est_output_tokens_per_s"
+
+
+def _fmt(x, spec="+6.1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(records: list[dict], comp: dict) -> str:
+    """Ours beside the published change, per preset and setup (~: predicted, not measured)."""
+    head = (
+        f"{'preset':<15}{'setup':<10}{'OFF tok/s':>10}{'ON tok/s':>10}{'ours %':>8}"
+        f"{'pred %':>8}{'publ. %':>8}{'conc':>8}{'preempt':>10}{'same':>6}"
+    )
+    lines = [head]
+    for preset, row in comp.items():
+        for setup in SETUPS:
+            if setup not in row:
+                continue
+            on = _cell(records, preset, setup, True)
+            c = row[setup]
+            ref = c.get("off_reference") or "cap_only" if setup == "adaptive" else setup
+            off = _cell(records, preset, ref, False)
+            ours = c.get("change_pct", c.get("change_vs_reference_off_pct"))
+            pred = c.get("predicted_change_pct", c.get("predicted_change_vs_cap_only_off_pct"))
+            conc = f"{_show(off, 'max_concurrent')}/{_show(on, 'max_concurrent')}"
+            pre = f"{_show(off, 'preemptions')}/{_show(on, 'preemptions')}"
+            same = {True: "yes", False: "NO", None: "-"}[(on or {}).get("same_tokens_as_off")]
+            lines.append(
+                f"{preset:<15}{setup:<10}{_fmt(_get(off, 'output_tokens_per_s'), '10.1f'):>10}"
+                f"{_fmt(_get(on, 'output_tokens_per_s'), '10.1f'):>10}{_fmt(ours):>8}"
+                f"{_fmt(pred):>8}{_fmt(c.get('published_pct')):>8}{conc:>8}{pre:>10}{same:>6}"
+            )
+    lines.append(
+        "ours / pred: output tokens/s ON vs OFF of the setup (adaptive: vs cap_only OFF, else "
+        "the best OFF), "
+        "measured / predicted; publ.: TensorRT-LLM on B200; conc / preempt: max concurrent rows "
+        "and preemptions OFF/ON (~: predicted)."
+    )
+    for r in records:
+        if "error" in r:
+            lines.append(
+                f"ERROR {r['preset']} {r['setup']} scratch={r['scratch']}: "
+                + (r["error"].strip().splitlines()[-1][:160])
+            )
+        elif "error" in r.get("predicted", {}):
+            lines.append(
+                f"(predicted) ERROR {r['preset']} {r['setup']} scratch={r['scratch']}: "
+                + (r["predicted"]["error"].strip().splitlines()[-1][:160])
+            )
+    return "\n".join(lines)
+
+
+def _get(r, key):
+    if r is None or key not in r:
+        return None
+    return r[key]
+
+
+def _show(r, key) -> str:
+    """A measured value, else the predicted one marked with ~, else -."""
+    if r is None:
+        return "-"
+    if key in r:
+        return str(r[key])
+    pred = r.get("predicted", {})
+    return f"~{pred[key]}" if key in pred else "-"
+
+
+def plot(comp: dict, path: pathlib.Path) -> None:
+    """One panel per model: ON vs OFF change per setup, ours (measured; predicted as a marker)
+    beside the published percentage."""
+    import matplotlib.pyplot as plt
+
+    presets = list(comp)
+    cols = min(5, max(len(presets), 1))
+    rows = -(-len(presets) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    x = np.arange(len(SETUPS))
+    for ax, preset in zip(axes.flat, presets, strict=False):
+        ax.set_visible(True)
+        row = comp[preset]
+        ours, pred, publ = [], [], []
+        for setup in SETUPS:
+            c = row.get(setup, {})
+            ours.append(c.get("change_pct", c.get("change_vs_reference_off_pct")))
+            pred.append(
+                c.get("predicted_change_pct", c.get("predicted_change_vs_cap_only_off_pct"))
+            )
+            publ.append(c.get("published_pct"))
+        nan = lambda v: np.nan if v is None else v  # noqa: E731
+        ax.bar(x - 0.2, [nan(v) for v in ours], 0.4, label="ours (H200)", color="tab:red")
+        ax.bar(x + 0.2, [nan(v) for v in publ], 0.4, label="published (B200)", color="0.6")
+        ax.plot(x - 0.2, [nan(v) for v in pred], "k_", ms=14, mew=2, label="ours predicted")
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_yscale("symlog", linthresh=20)  # preemption storms reach several hundred %
+        ax.set_xticks(x, ["cap only", "pinned 8K", "adaptive*"], fontsize=8)
+        ax.set_title(preset, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0, 0].set_ylabel("throughput ON vs OFF (%)")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(
+        "SWA scratch reuse under a KV cap: output tokens/s ON vs OFF "
+        "(*adaptive ON vs cap-only OFF, else the best OFF)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# %% main
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--presets", default=None, help="comma-separated (default: all ten)")
+    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--input-mean", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--rows", type=int, default=None)
+    p.add_argument("--cap-seqs", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--admission-headroom", type=float, default=None)
+    p.add_argument("--compile-s", type=float, default=None, help="per step variant (estimate)")
+    p.add_argument("--cell-limit-s", type=float, default=None, help="0: no limit")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="default: results/swa_scratch_h200.json (--simulate: swa_scratch_predictions.json)",
+    )
+    p.add_argument("--merge", type=pathlib.Path, default=None, help="JSON whose records to keep")
+    p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
+    p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
+    p.add_argument("--simulate", action="store_true", help="predictions only, no model")
+    p.add_argument(
+        "--plan",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --simulate: print the device calls of at most S seconds per preset",
+    )
+    args = p.parse_args(argv)
+    if args.out is None:
+        name = "swa_scratch_predictions.json" if args.simulate else "swa_scratch_h200.json"
+        args.out = RESULTS / name
+    base = QUICK if args.quick else Params()
+    over = {
+        k: getattr(args, k)
+        for k in (
+            "requests",
+            "input_mean",
+            "output_len",
+            "rows",
+            "cap_seqs",
+            "seed",
+            "admission_headroom",
+            "compile_s",
+            "cell_limit_s",
+        )
+        if getattr(args, k) is not None
+    }
+    params = dataclasses.replace(base, **over)
+    presets = (
+        args.presets.split(",")
+        if args.presets
+        else (["gemma4_e2b"] if args.quick else list(PRESETS))
+    )
+    setups = [s for s in args.setups.split(",") if s]
+    for s in setups:
+        if s not in SETUPS:
+            p.error(f"--setups: {s!r} is not one of {SETUPS}")
+    for name in presets:
+        if name not in PRESETS:
+            p.error(f"--presets: {name!r} is not one of {PRESETS}")
+    return args, params, presets, setups
+
+
+def main(argv=None) -> dict:
+    args, params, presets, setups = parse(argv)
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import gemma
+    from experiments._meta import run_metadata
+
+    meta = run_metadata(**dataclasses.asdict(params), presets=presets, setups=setups)
+    merge_from = args.merge or (args.out if args.out.exists() else None)
+    res = {}
+    if merge_from is not None and merge_from.exists():
+        res = json.loads(merge_from.read_text())
+    records = res.get("records", [])
+    res.update(
+        description=(
+            "SWA scratch reuse ON vs OFF under a KV byte cap: generation throughput per preset "
+            "and pool-split setup (cap_only: hint split for ISL 2K; pinned_8k: split pinned for "
+            "ISL 8K; adaptive: pool_ratio='adaptive'), beside TensorRT-LLM's published change "
+            "on B200 (experiments/swa_scratch_throughput.py, experiments/NOTES.md)."
+        ),
+        published=PUBLISHED,
+        device=meta["device"],
+        platform=meta["platform"],
+        versions=meta["versions"],
+        git_commit=meta["git_commit"],
+        prompts_seed=params.seed,
+        runs=res.get("runs", []) + [meta],
+        caps=res.get("caps", {}),
+    )
+    new_records = []
+
+    def save():
+        res["records"] = merge(records, new_records)
+        mark_same_tokens(res["records"])
+        res["comparison"] = comparison(res["records"])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    for preset in presets:
+        config = model_config(preset, params)
+        prompts = make_prompts(config.vocab_size, params)
+        cap = kv_cap_bytes(config, params)
+        res["caps"][preset] = cap
+        weights = weight_bytes(config, params)
+        cells = [(s, sc) for s in setups for sc in SCRATCH[s]]
+        predicted = {}
+        for setup, scratch in cells:
+            try:
+                lay = cell_layout(config, params, setup, scratch, cap, prompts)
+                predicted[setup, scratch] = simulate(config, lay, params, prompts, weights)
+            except Exception:  # noqa: BLE001 - reported with the cell
+                predicted[setup, scratch] = {"error": traceback.format_exc()[-1500:]}
+        ok = {k: v for k, v in predicted.items() if "error" not in v}
+        est = estimate(ok, params, weights)
+        print(
+            f"{preset}: cap {cap / 2**30:.2f} GiB ({params.cap_seqs:g} x steady KV of "
+            f"{params.input_mean}+{params.output_len}), weights {weights / 2**30:.1f} GiB, "
+            f"{params.requests} requests; estimate {est['total_s']:.0f} s = init "
+            f"{est['init_s']:.0f} + compile {est['compile_s']:.0f} + runs {est['run_s']:.0f}",
+            flush=True,
+        )
+        for (setup, scratch), pr in predicted.items():
+            print(
+                f"  predicted {setup:<10} scratch={scratch!s:<5} "
+                + (
+                    f"slots {pr['num_slots']} steps {pr['steps']} conc {pr['max_concurrent']} "
+                    f"(mean {pr['mean_concurrent']:.1f}) preempt {pr['preemptions']} "
+                    f"{pr['est_seconds']:.0f} s ({100 * pr['est_prefill_share']:.0f} % in "
+                    f"prefill steps) {pr['est_output_tokens_per_s']:.0f} out tok/s"
+                    if "error" not in pr
+                    else pr["error"].strip().splitlines()[-1]
+                ),
+                flush=True,
+            )
+        if args.plan:
+            for setups_, n, est_s in plan_calls(preset, predicted, params, weights, args.plan):
+                print(
+                    f"  plan: --presets {preset} --setups {','.join(setups_)} --requests {n}"
+                    f"  # estimate {est_s:.0f} s",
+                    flush=True,
+                )
+        if args.simulate:
+            for (setup, scratch), pr in predicted.items():
+                new_records.append(
+                    dict(
+                        preset=preset,
+                        setup=setup,
+                        scratch=scratch,
+                        workload=params.workload,
+                        kv_cap_bytes=cap,
+                        predicted=pr,
+                        estimate=est,
+                        git_commit=meta["git_commit"],
+                        utc=meta["utc"],
+                    )
+                )
+            save()
+            continue
+        if est["total_s"] > DEVICE_CALL_S and not params.quick:
+            print(
+                f"  WARNING: the estimate exceeds one device call ({DEVICE_CALL_S} s): split the "
+                "setups over invocations (--setups) or lower --requests / --output-len",
+                flush=True,
+            )
+        t0 = time.perf_counter()
+        dtype = jnp.dtype(params.weight_dtype)
+        model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+        init_s = time.perf_counter() - t0
+        for setup, scratch in cells:
+            rec = dict(
+                preset=preset,
+                setup=setup,
+                scratch=scratch,
+                workload=params.workload,
+                kv_cap_bytes=cap,
+                implementation=params.implementation,
+                init_s=init_s,
+                predicted=predicted[setup, scratch],
+                git_commit=meta["git_commit"],
+                utc=meta["utc"],
+            )
+            try:
+                cell, _ = run_cell(model, config, params, setup, scratch, cap, prompts)
+                rec.update(cell)
+            except CellLimit as e:
+                rec.update(error=str(e), partial_seconds=e.seconds, partial_output_tokens=e.tokens)
+            except Exception:  # noqa: BLE001 - one failed cell must not lose the others
+                rec["error"] = traceback.format_exc()[-2000:]
+            new_records.append(rec)
+            save()
+            print(
+                f"  {setup:<10} scratch={scratch!s:<5} "
+                + (
+                    f"{rec['output_tokens_per_s']:.1f} out tok/s, {rec['seconds']:.1f} s, steps "
+                    f"{rec['steps']}, conc {rec['max_concurrent']}, preempt {rec['preemptions']}, "
+                    f"slots {rec['num_slots']} peak {rec['peak_slots']}, compile "
+                    f"{rec['compile_s']:.0f} s"
+                    if "error" not in rec
+                    else "ERROR " + rec["error"].strip().splitlines()[-1][:200]
+                ),
+                flush=True,
+            )
+        del model
+        gc.collect()
+    save()
+    table = format_table(res["records"], res["comparison"])
+    print(table)
+    png = args.png or args.out.with_suffix(".png")
+    plot(res["comparison"], png)
+    print(f"wrote {args.out} and {png}")
+    return res
+
+
+if __name__ == "__main__":
+    import matplotlib
+
+    matplotlib.use("Agg")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
