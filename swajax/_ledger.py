@@ -14,6 +14,7 @@ Axis names as in `swajax._transforms`: B rows, G pool groups.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 
@@ -67,6 +68,11 @@ class SlotLedger:
     def row_slots(self, row: int) -> tuple[int, ...]:
         """Slots row `row` references per group (shared blocks count in every owner)."""
         return tuple(len(self.blocks[g][row]) + self.scratch[g][row] for g in range(len(self.free)))
+
+    def prefill_peak(self, length: int, chunk: int) -> tuple[int, ...]:
+        """Most slots per group one row holds while it is prefilled from empty to `length`
+        tokens in steps of `chunk` (scratch included, as the transforms hold it)."""
+        return _prefill_peak(self.layout, self.mode, length, chunk)
 
     def exclusive_slots(self, rows: Sequence[int]) -> tuple[int, ...]:
         """Slots per group that freeing `rows` would return (blocks no other row holds)."""
@@ -211,6 +217,12 @@ class SlotLedger:
                 self.refs[g][block_id] += 1
         self.history[dst] = self.cap[dst] = k
         return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_peak(layout: KVLayout, mode: str, length: int, chunk: int) -> tuple[int, ...]:
+    steps = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+    return row_peak_slots(layout, steps, mode)[1]
 
 
 def row_peak_slots(

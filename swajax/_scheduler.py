@@ -19,8 +19,12 @@ Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` t
    they wait at the head of the queue and are recomputed from prompt + generated tokens).
 3. Waiting requests are admitted in arrival order while rows, budget and slots last: a
    request is admitted when its first step (its chunk, cut to the budget only) fits and
-   leaves `headroom` slots free in every group for the running rows to grow (no headroom
-   when nothing else runs, so a request that fits the pool alone always starts). A request
+   leaves `headroom` slots free in every group for the running rows to grow, and when the
+   slots its whole prefill will hold, beside what the running prefills will still add, fit
+   the free slots too (no headroom and no such check when nothing else runs, so a request
+   that fits the pool alone always starts). A prompt longer than a chunk is thus admitted
+   only when it can finish its prefill: admitting it on its first chunk alone would let two
+   long prefills grow into each other, preempting and recomputing each other without end. A request
    starts from the longest cached prefix of its tokens; one that shares a longer
    block-aligned prefix with a request whose prefill is about to park it waits for that
    prefix.
@@ -297,6 +301,30 @@ class Scheduler:
             lo -= 1
         return lo
 
+    def _prefill_commitments(self, plan: StepPlan) -> list[int]:
+        """Slots per group the running prefills will still add after this step's tokens, up to
+        the peak of their prefill (what admitting another request must leave them)."""
+        total = [0] * len(self.ledger.free)
+        for r in self.running:
+            n = plan.new_tokens.get(r.row, 0)
+            if r.fed + n >= r.length:  # in decode, or its prefill ends this step
+                continue
+            held = self.ledger.row_slots(r.row)
+            step = self._need(r.row, n) if n else (0,) * len(total)
+            peak = self.ledger.prefill_peak(r.length, self.chunk)
+            for g in range(len(total)):
+                total[g] += max(0, peak[g] - held[g] - step[g])
+        return total
+
+    def _admits(self, planned, r: Request, n: int, headroom, commitments) -> bool:
+        """Whether request r (in its row) may take its first n tokens this step."""
+        first = self._need(r.row, n)
+        if headroom is None:  # nothing else runs: it only has to fit
+            return self._fits(planned, first)
+        peak = self.ledger.prefill_peak(r.length, self.chunk) if r.length > n else first
+        whole = [max(a, b) + c for a, b, c in zip(first, peak, commitments, strict=True)]
+        return self._fits(planned, first, headroom) and self._fits(planned, whole, headroom)
+
     def _step_tokens(self, r: Request) -> int:
         """Tokens r wants this step: 1 in decode, else a chunk (ending at park_at if set)."""
         remaining = r.length - r.fed
@@ -445,6 +473,7 @@ class Scheduler:
                     break
 
         # 3. admission
+        commitments = self._prefill_commitments(plan)
         free_rows = [b for b in range(self.serving_rows) if self.rows[b] is None]
         blocked_rows = set(plan.free_b)  # freed after shares_a: no cached prefix into them
         while self.waiting and budget > 0 and free_rows:
@@ -473,7 +502,7 @@ class Scheduler:
             # prefill would hold slots only to be preempted as its neighbours grow).
             n = min(self._step_tokens(r), budget)
             protect = used_sources | ({hit} if hit else set())
-            while not self._fits(planned, self._need(row, n), headroom):
+            while not self._admits(planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):
                     n = 0
                     break
@@ -493,6 +522,7 @@ class Scheduler:
                 self.counters.prefix_hits += 1
                 self.counters.prefix_tokens += k
             take(r, n)
+            commitments = self._prefill_commitments(plan)  # later admissions leave it room
 
         if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
             return None

@@ -40,6 +40,11 @@ def quota_for(model, requests: int, prompt_len: int, new: int, *, scratch=True, 
     return int(sum(share) * 1.02) + sum(size), tuple(float(x) for x in share)
 
 
+# Short prompts with long outputs: rows admitted side by side grow past the pool in decode,
+# so the engine preempts (a long prompt waits until its whole prefill fits instead).
+SHORT, LONG = [12, 9, 14, 11, 13, 10], 40
+
+
 def until_stop(tokens, stop):
     return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
 
@@ -52,11 +57,11 @@ def all_free(engine):
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
 def test_repeated_preemption_keeps_greedy_tokens(family):
     model = make_model(family)
-    prompts = prompts_of([30, 25, 33, 12, 28, 19], seed=3)
-    expected = dense_greedy(model, prompts, 8)
-    quota, ratio = quota_for(model, 1.4, 33, 8)
+    prompts = prompts_of(SHORT, seed=3)
+    expected = dense_greedy(model, prompts, LONG)
+    quota, ratio = quota_for(model, 1.4, max(SHORT), LONG)
     engine = engine_for(model, quota=quota, ratio=ratio, max_batch=4)
-    outputs, stats = engine.run(prompts, 8)
+    outputs, stats = engine.run(prompts, LONG)
     assert outputs == expected
     assert stats.preemptions >= 2, stats.preemptions
     assert all_free(engine)
@@ -106,16 +111,16 @@ def test_requests_arriving_while_others_decode_and_stop_tokens():
 
 def test_sampled_tokens_reproducible_under_preemption():
     model = make_model("gemma3")
-    prompts = prompts_of([30, 25, 33, 12], seed=9)
+    prompts = prompts_of(SHORT[:4], seed=9)
     sampling = swajax.SamplingParams(temperature=1.0, top_k=16)
     roomy = engine_for(model)
-    free_run, free_stats = roomy.run(prompts, 8, sampling=sampling, seed=5)
-    quota, ratio = quota_for(model, 1.4, 33, 8)
+    free_run, free_stats = roomy.run(prompts, LONG, sampling=sampling, seed=5)
+    quota, ratio = quota_for(model, 1.4, max(SHORT), LONG)
     tight = engine_for(model, quota=quota, ratio=ratio)
-    tight_run, tight_stats = tight.run(prompts, 8, sampling=sampling, seed=5)
+    tight_run, tight_stats = tight.run(prompts, LONG, sampling=sampling, seed=5)
     assert free_stats.preemptions == 0 and tight_stats.preemptions >= 1
     assert tight_run == free_run
-    other, _ = roomy.run(prompts, 8, sampling=sampling, seed=6)
+    other, _ = roomy.run(prompts, LONG, sampling=sampling, seed=6)
     assert other != free_run
 
 
@@ -323,11 +328,11 @@ def test_threads_share_one_engine_safely():
 
 def test_logits_of_a_preempted_request_match_an_unpreempted_run():
     model = make_model("gemma4")
-    prompts = prompts_of([30, 25, 33, 12], seed=14)
+    prompts = prompts_of(SHORT[:4], seed=14)
     roomy = engine_for(model)
-    _, a = roomy.run(prompts, 6, collect_logits=True)
-    quota, ratio = quota_for(model, 1.4, 33, 6)
-    _, b = engine_for(model, quota=quota, ratio=ratio).run(prompts, 6, collect_logits=True)
+    _, a = roomy.run(prompts, LONG, collect_logits=True)
+    quota, ratio = quota_for(model, 1.4, max(SHORT), LONG)
+    _, b = engine_for(model, quota=quota, ratio=ratio).run(prompts, LONG, collect_logits=True)
     assert b.preemptions >= 1
     la = {(i, k): x for i, k, x in a.step_logits}
     lb = {(i, k): x for i, k, x in b.step_logits}

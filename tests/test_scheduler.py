@@ -41,6 +41,12 @@ class ToyLedger:
     def used(self):
         return (self.num_slots - self.free[0],)
 
+    def row_slots(self, row):
+        return (len(self.blocks[row]),)
+
+    def prefill_peak(self, length, chunk):
+        return (math.ceil(length / PAGE),)  # nothing is released
+
     def is_empty(self, row):
         return self.history[row] == 0 and not self.blocks[row]
 
@@ -171,6 +177,23 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
         assert r.status == FINISHED and r.output == [1000 + k for k in range(8)]
     assert s.ledger.free == [6]
     assert sum(len(p.free_a) for p in plans) >= 3 + s.counters.preemptions
+
+
+def test_a_long_prompt_is_admitted_only_when_its_whole_prefill_fits():
+    """Two 32-token prompts prefilled in 8-token chunks need 8 blocks each by the end of their
+    prefill; 12 slots hold one. Admitting the second on its first chunk alone would let the two
+    prefills grow into each other and preempt each other; it waits for the first instead."""
+    s = make(num_slots=12, rows=2, budget=16, chunk=8)
+    s.add(req(0, 32, 2))
+    s.add(req(1, 32, 2))
+    first = s.schedule()
+    assert list(first.new_tokens) == [0]  # the second's 8 blocks do not fit beside the first's
+    s.on_sampled(first, {})
+    drive(s)
+    assert s.counters.preemptions == 0
+    for r in s.requests.values():
+        assert r.status == FINISHED and r.output == [1000, 1001]
+    assert s.ledger.free == [12]
 
 
 def test_fifo_admission_does_not_starve_a_long_request():
