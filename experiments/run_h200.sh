@@ -23,7 +23,8 @@ for stage in "$@"; do
   case $stage in
     gpu-tests)
       XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
-        python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider -rfE tests/ ;;
+        python3 -m pytest -m gpu -q -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfE \
+        --durations=30 --junitxml="$OUT/gpu_tests.xml" tests/ ;;
     gpu-tests-serial)
       run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ;;
     kernels)
