@@ -24,7 +24,8 @@ for stage in "$@"; do
     gpu-tests)
       XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
         python3 -m pytest -m gpu -q -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfE \
-        --durations=30 --junitxml="$OUT/gpu_tests.xml" tests/ ;;
+        --durations=30 --junitxml="$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+        ${GPU_TESTS:-tests/} ;;
     gpu-tests-serial)
       run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ;;
     kernels)
@@ -41,6 +42,9 @@ for stage in "$@"; do
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
         ${REQUESTS:+--requests $REQUESTS} --out "$OUT/swa_scratch_h200.json" \
         --merge experiments/results/swa_scratch_h200.json ;;
+    probe-ledger)  # PROBE_PRESET=gemma4_31b
+      run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
+        --preset "${PROBE_PRESET:-gemma4_31b}" --out "$OUT/probe_ledger.json" ;;
     cold)
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
         --out "$OUT/cold_start_h200.json" ;;

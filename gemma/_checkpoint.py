@@ -336,7 +336,7 @@ def _text_prefix(tensors: _SafetensorsIndex) -> str:
 
 
 def abstract_model(
-    config, dtype, param_dtype=None, moe_implementation="ragged", scan_layers=True
+    config, dtype, param_dtype=None, moe_implementation="auto", scan_layers=True
 ) -> Transformer:
     """The model with jax.ShapeDtypeStruct leaves (nothing allocated); param_dtype: dtype."""
     param_dtype = jnp.dtype(dtype if param_dtype is None else param_dtype)
@@ -378,7 +378,7 @@ def from_pretrained(
     dtype=jnp.float32,
     *,
     param_dtype=None,
-    moe_implementation="ragged",
+    moe_implementation="auto",
     strict=True,
     scan_layers=True,
     mesh=None,
@@ -663,7 +663,7 @@ def restore_params(
     *,
     dtype=jnp.float32,
     param_dtype=None,
-    moe_implementation="ragged",
+    moe_implementation="auto",
     scan_layers=None,
     mesh=None,
 ) -> Transformer:

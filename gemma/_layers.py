@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from gemma._config import RopeConfig, TransformerConfig
+from pallas_kernels.grouped_matmul import grouped_matmul
 from swajax import LayerRef
 
 
@@ -176,7 +177,7 @@ class MLP(nnx.Module):
         )
 
 
-MOE_IMPLEMENTATIONS = ("ragged", "dense")
+MOE_IMPLEMENTATIONS = ("auto", "ragged", "pallas", "dense")
 
 
 def check_moe_implementation(implementation: str) -> None:
@@ -193,14 +194,18 @@ class MoE(nnx.Module):
     `router_scale` and D**-0.5, a linear map to expert scores, float32 softmax,
     top-k, renormalised, times `per_expert_scale`. Experts are gated GELU MLPs.
 
-    implementation: 'ragged' (default) sorts the token copies by expert and runs
-    only the chosen experts with `jax.lax.ragged_dot`; 'dense' runs every
-    expert on every token and weights them by the (mostly zero) gates, the
-    simple reference.
+    implementation: how the chosen experts run. The token copies are sorted by
+    expert and multiplied group by group (`pallas_kernels.grouped_matmul`):
+    'ragged' through XLA's `jax.lax.ragged_dot` (group by group on CPU; on the
+    GPU XLA makes it a dense dot over all experts, which does not fit memory at
+    128 experts), 'pallas' through the Mosaic GPU grouped matmul (Hopper), and
+    'auto' (default) the Pallas kernel on a Hopper GPU where it supports the
+    shapes, else 'ragged'. 'dense' runs every expert on every token and weights
+    them by the (mostly zero) gates, the simple reference.
     """
 
     def __init__(
-        self, config: TransformerConfig, *, rngs, dtype, param_dtype, implementation="ragged"
+        self, config: TransformerConfig, *, rngs, dtype, param_dtype, implementation="auto"
     ):
         check_moe_implementation(implementation)
         c = config
@@ -257,11 +262,13 @@ class MoE(nnx.Module):
         token_of = order // self.top_k  # [M*k], token of each expert-sorted copy
         group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
         xs = tokens[token_of]  # [M*k, D]
-        gate = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(self.dtype), group_sizes)
-        up = jax.lax.ragged_dot(xs, self.up_proj[...].astype(self.dtype), group_sizes)  # [M*k, F]
-        y = jax.lax.ragged_dot(
-            gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype), group_sizes
-        )  # [M*k, D]
+        impl = "reference" if self.implementation == "ragged" else self.implementation
+
+        def gmm(lhs, w):
+            return grouped_matmul(lhs, w[...].astype(self.dtype), group_sizes, implementation=impl)
+
+        gate, up = gmm(xs, self.gate_proj), gmm(xs, self.up_proj)  # [M*k, F]
+        y = gmm(gelu_tanh(gate) * up, self.down_proj)  # [M*k, D]
         y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
         out = jnp.zeros_like(tokens).at[token_of].add(y)  # [M, D]
         return out.reshape(x.shape)
@@ -278,7 +285,7 @@ class Block(nnx.Module):
         rngs,
         dtype,
         param_dtype,
-        moe_implementation="ragged",
+        moe_implementation="auto",
     ):
         c = config
         self.dtype = dtype

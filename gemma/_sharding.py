@@ -136,7 +136,7 @@ def init_sharded(
     seed: int = 0,
     dtype=np.float32,
     param_dtype=None,
-    moe_implementation: str = "ragged",
+    moe_implementation: str = "auto",
     scan_layers: bool = True,
 ):
     """A random `Transformer` drawn inside one jit whose outputs are the parameters' shards,

@@ -68,8 +68,9 @@ class Transformer(nnx.Module):
         scalars and router scales start at their identity values).
       dtype: compute dtype of activations (logits are always float32).
       param_dtype: storage dtype of the parameters.
-      moe_implementation: 'ragged' (only the chosen experts, `jax.lax.ragged_dot`)
-        or 'dense' (every expert, the reference); Gemma 4 MoE configs only.
+      moe_implementation: 'auto' (default: only the chosen experts, through the Pallas
+        grouped matmul on a Hopper GPU, else `jax.lax.ragged_dot`), 'ragged', 'pallas' or
+        'dense' (every expert, the reference); see `gemma._layers.MoE`. Gemma 4 MoE only.
       scan_layers: True (default): the layers of each repeating run of `config.layer_runs`
         are stored stacked (a leading axis of the run's repetitions, built at construction
         and kept so by `from_pretrained` / `restore_params`) and run under one `lax.scan`,
@@ -87,7 +88,7 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
-        moe_implementation: str = "ragged",
+        moe_implementation: str = "auto",
         scan_layers: bool = True,
     ):
         if not isinstance(config, TransformerConfig):

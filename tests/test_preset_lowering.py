@@ -118,7 +118,8 @@ def test_kv_write_kernel_lowers_for_cuda(geometry, dtype):
 def test_engine_steps_lower_for_cuda(name):
     """A whole prefill step and decode step of every preset (small_preset: the real attention
     geometry, KV sharing, K=V, PLE and MoE) lower for CUDA with the Pallas kernels: kv_write,
-    prefill, decode and the page-table gather, scratch reuse on and a chunk over the window."""
+    prefill, decode, the page-table gather and (MoE) the grouped matmul, scratch reuse on and a
+    chunk over the window."""
     from flax import nnx
 
     import gemma
@@ -126,7 +127,11 @@ def test_engine_steps_lower_for_cuda(name):
 
     config = configs.small_preset(name)
     model = gemma.Transformer(
-        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+        config,
+        rngs=nnx.Rngs(0),
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        moe_implementation="pallas",
     )
     chunk = 2 * config.sliding_window
     kv = swajax.KVCacheConfig(page_size=32, max_gpu_total_bytes=64 << 20)

@@ -1,0 +1,158 @@
+"""Host ledger vs device pool, step by step, for a full-size preset on the GPU.
+
+    PYTHONPATH=. python3 experiments/probe_ledger.py --preset gemma4_31b --out $OUT/l.json
+
+Runs `bench_presets`' workload (random bf16 weights, 16 x (2048 + 8), page 32, default quota)
+one engine step at a time. Before each step the pool's control arrays (free stacks and counts,
+refcounts, tables, history/cap, scratch ranges) are copied; after it, the slots the device
+holds are compared with the ledger's. At the first disagreement the copied arrays go through
+the pool transforms alone (free -> shares -> reserve, jitted on the same device) to tell a
+fault of the transforms from a fault elsewhere in the step (a kernel writing out of bounds
+into the control arrays), and the control arrays are checked for consistency (each free stack
+holds distinct in-range slots; refcounts match the tables). Writes one JSON record.
+"""
+
+# %%
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def control(state):
+    """The pool state without its pool roots (small arrays), copied off the donated buffers."""
+    return jax.tree.map(lambda x: np.asarray(x).copy(), dataclasses.replace(state, pools=()))
+
+
+def consistency(layout, c) -> dict:
+    """Checks of one control snapshot: free stacks, counts and refcounts."""
+    out = {}
+    for g, group in enumerate(layout.groups):
+        n = int(c.free_count[g])
+        free = np.asarray(c.free_stack[g])[:n]
+        held = np.concatenate(
+            [np.asarray(c.base_tables[g]).ravel(), np.asarray(c.scratch_slots[g]).ravel()]
+        )
+        held = held[held >= 0]
+        ref = np.bincount(held, minlength=group.num_slots)[: group.num_slots]
+        out[f"group{g}"] = dict(
+            num_slots=group.num_slots,
+            free_count=n,
+            free_distinct=len(set(free.tolist())) == n,
+            free_in_range=bool(np.all((free >= 0) & (free < group.num_slots))),
+            held_slots=int(np.count_nonzero(ref)),
+            refcount_matches_tables=bool(np.array_equal(ref, np.asarray(c.refcount[g]))),
+            free_and_held_disjoint=not bool(np.any(ref[free[(free >= 0) & (free < len(ref))]])),
+        )
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="gemma4_31b")
+    p.add_argument("--implementation", default="pallas")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--input", type=int, default=2048)
+    p.add_argument("--output", type=int, default=8)
+    p.add_argument("--small", action="store_true", help="small_preset (a CPU smoke run)")
+    p.add_argument("--out", default="/tmp/probe_ledger.json")
+    args = p.parse_args()
+    from flax import nnx
+
+    import gemma
+    import swajax
+    from experiments._meta import run_metadata
+    from swajax._runner import bookkeeping_before
+    from swajax._transforms import reserve
+
+    res = run_metadata(**vars(args))
+    rec = res["result"] = dict(ok=False, steps=[])
+    try:
+        configs = gemma.configs
+        config = (configs.small_preset if args.small else configs.preset)(args.preset)
+        model = gemma.Transformer(
+            config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+        )
+        engine = swajax.Engine(
+            model,
+            swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16),
+            max_context=args.input + args.output,
+            max_batch=args.prompts,
+            implementation=args.implementation,
+        )
+        layout = engine.layout
+        rec["groups"] = [str(g) for g in layout.groups]
+        rec["pool_shapes"] = [list(s.shape(layout.page_size)) for s in layout.pools]
+        rec["quota"] = engine.quota
+        # The engine reads a step after dispatching the next one: snapshots queue in order.
+        snapshots = collections.deque()
+        dispatch, collect = engine._dispatch, engine._collect
+
+        def patched_dispatch(plans):
+            snapshots.append(control(engine.state))
+            return dispatch(plans)
+
+        def patched_collect():
+            if engine._in_flight is None:
+                return collect()
+            plans = engine._in_flight[0]
+            before = snapshots.popleft()
+            try:
+                return collect()
+            except RuntimeError as e:
+                rec["error"] = str(e)
+                rec["before"] = consistency(layout, before)
+                rec["after"] = consistency(layout, control(engine.state))
+                from swajax._runner import step_inputs
+
+                inputs = step_inputs(
+                    plans[0],
+                    num_tokens=max(8, sum(plans[0].new_tokens.values())),
+                    max_batch=layout.max_batch,
+                    max_shares=engine.max_shares,
+                    sampling=lambda r: (0.0, 0, 1.0),
+                )
+
+                @jax.jit
+                def transforms(c):
+                    state = dataclasses.replace(c, pools=())
+                    ok, state = bookkeeping_before(
+                        layout, state, inputs.free_a, inputs.shares_a, inputs.free_b
+                    )
+                    r, state = reserve(layout, state, inputs.new_tokens)
+                    return ok & r, jnp.asarray(
+                        [g.num_slots for g in layout.groups], jnp.int32
+                    ) - state.free_count
+
+                ok, used = transforms(jax.tree.map(jnp.asarray, before))
+                rec["transforms_alone"] = dict(ok=bool(ok), used=[int(x) for x in used])
+                rec["ledger_used"] = [int(x) for x in plans[0].used]
+                rec["new_tokens"] = {int(k): int(v) for k, v in plans[0].new_tokens.items()}
+                raise
+
+        engine._dispatch, engine._collect = patched_dispatch, patched_collect
+        rng = np.random.default_rng(0)
+        batch = [
+            rng.integers(1, config.vocab_size, args.input).tolist() for _ in range(args.prompts)
+        ]
+        t0 = time.perf_counter()
+        out, stats = engine.run(batch, args.output)
+        rec.update(ok=True, seconds=time.perf_counter() - t0, steps=stats.step_slots)
+    except Exception:  # noqa: BLE001
+        rec["traceback"] = traceback.format_exc()[-3000:]
+    print(json.dumps({k: v for k, v in rec.items() if k != "steps"}, indent=1, default=str))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
+# %%
