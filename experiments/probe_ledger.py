@@ -1,6 +1,7 @@
 """Host ledger vs device pool, step by step, for a full-size preset on the GPU.
 
-    PYTHONPATH=. python3 experiments/probe_ledger.py --preset gemma4_31b --out $OUT/l.json
+    PYTHONPATH=. python3 experiments/probe_ledger.py --preset gemma4_31b \
+        --variants pallas,ref-kv_write,ref-gather,ref-attention,reference --out $OUT/l.json
 
 Runs `bench_presets`' workload (random bf16 weights, 16 x (2048 + 8), page 32, default quota)
 one engine step at a time. Before each step the pool's control arrays (free stacks and counts,
@@ -9,7 +10,9 @@ holds are compared with the ledger's. At the first disagreement the copied array
 the pool transforms alone (free -> shares -> reserve, jitted on the same device) to tell a
 fault of the transforms from a fault elsewhere in the step (a kernel writing out of bounds
 into the control arrays), and the control arrays are checked for consistency (each free stack
-holds distinct in-range slots; refcounts match the tables). Writes one JSON record.
+holds distinct in-range slots; refcounts match the tables). Variants, each in its own process:
+"pallas", "reference", and "ref-<kernel>" (the Pallas path with one kernel, kv_write, gather
+or attention, replaced by its reference) to find the step's faulty part. One record each.
 """
 
 # %%
@@ -19,6 +22,8 @@ import argparse
 import collections
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 import traceback
 
@@ -55,10 +60,45 @@ def consistency(layout, c) -> dict:
     return out
 
 
+VARIANTS = ("pallas", "ref-kv_write", "ref-gather", "ref-attention", "reference")
+
+
+def use_reference_for(kernel: str) -> None:
+    """Routes one Pallas kernel of `implementation="pallas"` to its pure-jnp reference."""
+    from pallas_kernels import _kv_write_kernel, page_table_gather, paged_attention
+    from pallas_kernels.kv_write import kv_write_reference
+
+    if kernel == "kv_write":
+
+        def write(pool, table, k, v, q_starts, kv_lens, *, k_scale=None, v_scale=None):
+            return kv_write_reference(
+                pool, table, k, v, q_starts, kv_lens, k_scale=k_scale, v_scale=v_scale
+            )
+
+        _kv_write_kernel.kv_write_pallas = write
+    elif kernel == "gather":
+
+        def gather(base, kv_lens, srange, sslots, *, num_layers, page_size, out=None, **_):
+            return page_table_gather.page_table_gather_reference(
+                base, kv_lens, srange, sslots, num_layers=num_layers, page_size=page_size
+            )
+
+        page_table_gather.page_table_gather_pallas = gather
+    elif kernel == "attention":
+        paged_attention._dispatch = lambda impl, kernel, pf, rf, args, att, tuning: rf(*args, **att)
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="gemma4_31b")
-    p.add_argument("--implementation", default="pallas")
+    p.add_argument(
+        "--variants",
+        default="pallas",
+        help=f"comma-separated, each in a fresh process: {', '.join(VARIANTS)}",
+    )
+    p.add_argument("--child", default=None)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--input", type=int, default=2048)
     p.add_argument("--output", type=int, default=8)
@@ -73,8 +113,32 @@ def main():
     from swajax._runner import bookkeeping_before
     from swajax._transforms import reserve
 
-    res = run_metadata(**vars(args))
-    rec = res["result"] = dict(ok=False, steps=[])
+    if args.child is None:  # one process per variant (a fault must not leak into the next)
+        res = run_metadata(**vars(args))
+        res["records"] = []
+        for variant in args.variants.split(","):
+            if variant not in VARIANTS:
+                raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
+            out = args.out + f".{variant}"
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                with open(out) as f:
+                    rec = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                rec = dict(ok=False, traceback=proc.stderr[-3000:])
+            rec["variant"] = variant
+            res["records"].append(rec)
+            brief = {k: rec.get(k) for k in ("error", "transforms_alone", "ledger_used")}
+            print(f"{variant:<14} ok={rec.get('ok')} {brief}", flush=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return
+    variant = args.child
+    implementation = "reference" if variant == "reference" else "pallas"
+    if variant.startswith("ref-"):
+        use_reference_for(variant[4:])
+    rec = dict(ok=False, steps=[])
     try:
         configs = gemma.configs
         config = (configs.small_preset if args.small else configs.preset)(args.preset)
@@ -86,7 +150,7 @@ def main():
             swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16),
             max_context=args.input + args.output,
             max_batch=args.prompts,
-            implementation=args.implementation,
+            implementation=implementation,
         )
         layout = engine.layout
         rec["groups"] = [str(g) for g in layout.groups]
@@ -148,9 +212,8 @@ def main():
         rec.update(ok=True, seconds=time.perf_counter() - t0, steps=stats.step_slots)
     except Exception:  # noqa: BLE001
         rec["traceback"] = traceback.format_exc()[-3000:]
-    print(json.dumps({k: v for k, v in rec.items() if k != "steps"}, indent=1, default=str))
     with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+        json.dump(rec, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

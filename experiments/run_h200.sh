@@ -42,9 +42,10 @@ for stage in "$@"; do
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
         ${REQUESTS:+--requests $REQUESTS} --out "$OUT/swa_scratch_h200.json" \
         --merge experiments/results/swa_scratch_h200.json ;;
-    probe-ledger)  # PROBE_PRESET=gemma4_31b
+    probe-ledger)  # PROBE_PRESET=gemma4_31b PROBE_VARIANTS=pallas,ref-attention
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
-        --preset "${PROBE_PRESET:-gemma4_31b}" --out "$OUT/probe_ledger.json" ;;
+        --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
+        --out "$OUT/probe_ledger.json" ;;
     cold)
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
         --out "$OUT/cold_start_h200.json" ;;

@@ -20,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from gemma._config import RopeConfig, TransformerConfig
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels._checks import on_gpu, on_hopper
+from pallas_kernels.grouped_matmul import grouped_matmul, supports
 from swajax import LayerRef
 
 
@@ -200,8 +201,9 @@ class MoE(nnx.Module):
     GPU XLA makes it a dense dot over all experts, which does not fit memory at
     128 experts), 'pallas' through the Mosaic GPU grouped matmul (Hopper), and
     'auto' (default) the Pallas kernel on a Hopper GPU where it supports the
-    shapes, else 'ragged'. 'dense' runs every expert on every token and weights
-    them by the (mostly zero) gates, the simple reference.
+    shapes, 'dense' on other GPUs and dtypes, 'ragged' on CPU. 'dense' runs
+    every expert on every token and weights them by the (mostly zero) gates,
+    the simple reference.
     """
 
     def __init__(
@@ -235,9 +237,25 @@ class MoE(nnx.Module):
 
     def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [..., D] through the chosen experts, summed with their weights -> [..., D]."""
-        if self.implementation == "dense":
+        implementation = self._resolved_implementation(x)
+        if implementation == "dense":
             return self._experts_dense(x, weights, experts)
-        return self._experts_ragged(x, weights, experts)
+        return self._experts_ragged(x, weights, experts, implementation)
+
+    def _resolved_implementation(self, x) -> str:
+        """'auto' -> 'pallas' on a Hopper GPU where the kernel takes the operands; else 'dense'
+        on a GPU (XLA lowers `ragged_dot` there to a dense dot over every expert plus masking,
+        so the einsums cost the same FLOPs with fewer temporaries); else 'ragged' (CPU)."""
+        if self.implementation != "auto":
+            return self.implementation
+        if not on_gpu():
+            return "ragged"
+        d, f = self.gate_proj.shape[1:]
+        w = jax.ShapeDtypeStruct((1, d, f), self.dtype)
+        lhs = jax.ShapeDtypeStruct((1, d), self.dtype)
+        w_t = jax.ShapeDtypeStruct((1, f, d), self.dtype)
+        fits = supports(lhs, w) and supports(jax.ShapeDtypeStruct((1, f), self.dtype), w_t)
+        return "pallas" if on_hopper() and fits else "dense"
 
     def _experts_dense(self, x, weights, experts):
         num_experts = self.router_proj.shape[-1]
@@ -253,7 +271,7 @@ class MoE(nnx.Module):
         )  # [..., E, D]
         return jnp.einsum("...ed,...e->...d", y, gates.astype(y.dtype))
 
-    def _experts_ragged(self, x, weights, experts):
+    def _experts_ragged(self, x, weights, experts, implementation):
         num_experts = self.router_proj.shape[-1]
         d = x.shape[-1]
         tokens = x.reshape(-1, d)  # [M, D]
@@ -262,15 +280,19 @@ class MoE(nnx.Module):
         token_of = order // self.top_k  # [M*k], token of each expert-sorted copy
         group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
         xs = tokens[token_of]  # [M*k, D]
-        impl = "reference" if self.implementation == "ragged" else self.implementation
+        impl = "reference" if implementation == "ragged" else implementation
 
         def gmm(lhs, w):
             return grouped_matmul(lhs, w[...].astype(self.dtype), group_sizes, implementation=impl)
 
         gate, up = gmm(xs, self.gate_proj), gmm(xs, self.up_proj)  # [M*k, F]
         y = gmm(gelu_tanh(gate) * up, self.down_proj)  # [M*k, D]
-        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-        out = jnp.zeros_like(tokens).at[token_of].add(y)  # [M, D]
+        # Back to token order and summed over each token's k experts: a gather and a fixed-order
+        # sum (a scatter-add would be nondeterministic on the GPU).
+        inverse = jnp.argsort(order)  # copy j of the [M*k] flat order sits at inverse[j]
+        y = y[inverse].reshape(-1, self.top_k, d)  # [M, k, D]
+        w = weights.reshape(-1, self.top_k, 1).astype(jnp.float32)
+        out = jnp.sum(y.astype(jnp.float32) * w, axis=1).astype(y.dtype)  # [M, D]
         return out.reshape(x.shape)
 
 

@@ -24,6 +24,14 @@ def check_implementation(implementation: str) -> None:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
+def on_gpu() -> bool:
+    """True when the default device is a GPU."""
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
 def on_hopper() -> bool:
     """True when the default device is an sm90 (Hopper) GPU."""
     try:
