@@ -12,7 +12,8 @@ fault of the transforms from a fault elsewhere in the step (a kernel writing out
 into the control arrays), and the control arrays are checked for consistency (each free stack
 holds distinct in-range slots; refcounts match the tables). Variants, each in its own process:
 "pallas", "reference", and "ref-<kernel>" (the Pallas path with one kernel, kv_write, gather
-or attention, replaced by its reference) to find the step's faulty part. One record each.
+or attention, replaced by its reference) to find the step's faulty part; a suffix ":N" cuts
+the preset to its first N layers (full width). One record each.
 """
 
 # %%
@@ -117,7 +118,7 @@ def main():
         res = run_metadata(**vars(args))
         res["records"] = []
         for variant in args.variants.split(","):
-            if variant not in VARIANTS:
+            if variant.split(":")[0] not in VARIANTS:
                 raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
             out = args.out + f".{variant}"
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
@@ -134,14 +135,15 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return
-    variant = args.child
+    variant, _, layers = args.child.partition(":")  # "pallas:12": the preset cut to 12 layers
     implementation = "reference" if variant == "reference" else "pallas"
     if variant.startswith("ref-"):
         use_reference_for(variant[4:])
     rec = dict(ok=False, steps=[])
     try:
         configs = gemma.configs
-        config = (configs.small_preset if args.small else configs.preset)(args.preset)
+        overrides = dict(num_layers=int(layers)) if layers else {}
+        config = (configs.small_preset if args.small else configs.preset)(args.preset, **overrides)
         model = gemma.Transformer(
             config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
         )
