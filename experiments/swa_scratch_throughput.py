@@ -12,7 +12,9 @@ beside the published result (TensorRT-LLM, KV cache manager V2, B200).
     PYTHONPATH=. .venv/bin/python experiments/swa_scratch_throughput.py --quick --out /tmp/s.json
 
 Workload per preset (`--requests`, `--input-mean`, `--output-len`, `--seed`): random bf16
-weights (no download); `requests` random prompts with lengths uniform in
+weights (no download) with unit-size attention logits (`gemma.set_unit_size_attention_logits`:
+raw random Gemma 4 weights give near one-hot softmaxes, under which ON and OFF, batching rows
+differently, part after a few tokens); `requests` random prompts with lengths uniform in
 [3/4, 5/4] x input_mean (6K-10K at the default 8K), each generating exactly `output_len` tokens
 greedily (no stop tokens); bf16 KV, page 32, the engine's default token budget of 8192 tokens
 per step (TensorRT-LLM's default max_num_tokens; prefill chunk = budget), Pallas kernels,
@@ -37,7 +39,8 @@ share their compiled steps, and the persistent compilation cache serves later in
 one timed `Engine.run`. Recorded per cell: output and total tokens/s, steps, peak and mean slots
 per group, max concurrent rows, preemptions, TTFT / inter-token latency, a digest of every
 request's tokens (`same_tokens_as_off`: ON equals OFF of the same setup, and adaptive equals the
-OFF cells), the split and the ledger simulation's prediction (`predicted`). An error in one cell is
+OFF cells; `first_token_agreement` and `mean_common_prefix` over each request's first 16 tokens),
+the split and the ledger simulation's prediction (`predicted`). An error in one cell is
 recorded in it and the next cell runs.
 
 Prediction (`--simulate`, and `predicted` in every record): the engine's own scheduler and
@@ -415,6 +418,9 @@ class CellLimit(RuntimeError):
         self.seconds, self.tokens = seconds, tokens
 
 
+HEAD_TOKENS = 16  # first tokens of each request kept in the record (ON vs OFF agreement)
+
+
 def digests(outputs) -> list[str]:
     return [hashlib.sha256(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
 
@@ -485,6 +491,7 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
         traces_before_run=traces,
         traces_in_run=engine.trace_count - traces,
         request_digests=digests(outputs),
+        request_heads=[list(map(int, o[:HEAD_TOKENS])) for o in outputs],
     )
     del engine
     gc.collect()
@@ -545,6 +552,22 @@ def mark_same_tokens(records: list[dict]) -> None:
         }
         r["same_tokens_as_off"] = not differ
         r["requests_differing_from_off"] = sorted(differ)
+        heads = [o["request_heads"] for o in offs if "request_heads" in o]
+        if "request_heads" in r and heads:  # where differing requests part from OFF
+            prefixes = [
+                _common_prefix(a, b)
+                for h in heads
+                for a, b in zip(r["request_heads"], h, strict=True)
+            ]
+            r["first_token_agreement"] = float(np.mean([p > 0 for p in prefixes]))
+            r["mean_common_prefix"] = float(np.mean(prefixes))  # of the first HEAD_TOKENS
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def comparison(records: list[dict]) -> dict:
@@ -883,6 +906,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         dtype = jnp.dtype(params.weight_dtype)
         model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+        gemma.set_unit_size_attention_logits(model)  # O(1) attention logits, as trained
         init_s = time.perf_counter() - t0
         for setup, scratch in cells:
             rec = dict(

@@ -284,6 +284,25 @@ class Transformer(nnx.Module):
         return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
 
 
+def set_unit_size_attention_logits(model: Transformer) -> None:
+    """Sets every q-norm scale so that scale * q.k is about unit-size for unit-RMS q and k.
+
+    For random weights: a trained model's attention logits are O(1), random Gemma 4 weights at
+    attention scale 1 give |q.k| ~ sqrt(head_dim) and near one-hot softmaxes that turn any
+    rounding difference (another batch, another kernel) into other greedy tokens. Tests and
+    benchmarks that compare tokens across runs use this. In place.
+    """
+    for blocks in model.blocks:
+        for block in blocks:
+            attn = block.attn
+            spec = model.config.layer_specs[attn.layer_index]
+            norm = attn.q_norm
+            head_dim = norm.scale.shape[-1]
+            target = 1.0 / (spec.scale * head_dim**0.5)  # |q.k| ~ sqrt(D) for unit-RMS rows
+            value = target - 1.0 if norm.plus_one else target
+            norm.scale[...] = jnp.full_like(norm.scale[...], value)
+
+
 def _build_run(run: LayerRun, make_block) -> nnx.List:
     """The Blocks of one run, built layer by layer in index order (the same random values as
     unrolled construction). A scanned run's Blocks have every array stacked over the run's

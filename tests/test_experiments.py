@@ -229,6 +229,9 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     on, off, adaptive = recs["pinned_8k", True], recs["pinned_8k", False], recs["adaptive", True]
     assert on["same_tokens_as_off"] and adaptive["same_tokens_as_off"]
     assert on["request_digests"] == off["request_digests"] == adaptive["request_digests"]
+    assert on["first_token_agreement"] == 1.0 and on["mean_common_prefix"] == len(
+        off["request_heads"][0]
+    )
     # the same cap: scratch ON frees sliding bytes for full-layer history, so more rows run
     cap = data["caps"]["gemma4_e2b"]
     assert all(r["kv_cap_bytes"] == cap >= r["pool_bytes"] for r in recs.values())
@@ -269,8 +272,14 @@ def test_swa_scratch_records_merge_and_token_check():
             **kw,
         )
 
-    old = [rec("pinned_8k", False, ["a", "b"]), rec("pinned_8k", True, ["a", "x"])]
-    new = [rec("pinned_8k", True, ["a", "b"], tps=15.0), rec("adaptive", True, ["a", "c"])]
+    old = [
+        rec("pinned_8k", False, ["a", "b"], request_heads=[[1, 2, 3], [4, 5, 6]]),
+        rec("pinned_8k", True, ["a", "x"]),
+    ]
+    new = [
+        rec("pinned_8k", True, ["a", "b"], tps=15.0),
+        rec("adaptive", True, ["a", "c"], request_heads=[[1, 2, 3], [4, 9, 6]]),
+    ]
     merged = swa_scratch.merge(old, new)
     assert [(r["setup"], r["scratch"]) for r in merged] == [
         ("pinned_8k", False),
@@ -280,6 +289,9 @@ def test_swa_scratch_records_merge_and_token_check():
     swa_scratch.mark_same_tokens(merged)
     assert merged[1]["same_tokens_as_off"] and not merged[2]["same_tokens_as_off"]
     assert merged[2]["requests_differing_from_off"] == [1]
+    # request 1 parts from OFF at its second token: prefixes 3 and 1
+    assert merged[2]["first_token_agreement"] == 1.0 and merged[2]["mean_common_prefix"] == 2.0
+    assert "first_token_agreement" not in merged[1]  # no heads recorded
     comp = swa_scratch.comparison(merged)["p"]
     assert comp["pinned_8k"]["change_pct"] == pytest.approx(50.0)
     assert comp["adaptive"]["off_reference"] == "pinned_8k"

@@ -34,20 +34,8 @@ def preset_model(name: str):
     model = gemma.Transformer(
         config, rngs=nnx.Rngs(11), dtype=jnp.float32, param_dtype=jnp.bfloat16
     )
-    unit_size_attention_logits(model)
+    gemma.set_unit_size_attention_logits(model)
     return model
-
-
-def unit_size_attention_logits(model) -> None:
-    """q-norm scales making scale * q.k about unit-size for unit-RMS q and k."""
-    for block in (block for blocks in model.blocks for block in blocks):
-        attn = block.attn
-        spec = model.config.layer_specs[attn.layer_index]
-        norm = attn.q_norm
-        head_dim = norm.scale.shape[-1]
-        target = 1.0 / (spec.scale * head_dim**0.5)  # |q.k| ~ sqrt(D) for unit-RMS rows
-        value = target - 1.0 if norm.plus_one else target
-        norm.scale[...] = jnp.full_like(norm.scale[...], value)
 
 
 def preset_prompts(config, seed: int):

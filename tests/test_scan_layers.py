@@ -86,18 +86,6 @@ CONFIGS = {
 }
 
 
-def unit_size_attention_logits(model) -> None:
-    """q-norm scales giving unit-size attention logits, as a trained model has: random Gemma 4
-    weights at attention scale 1 give near one-hot softmaxes that amplify float32 rounding
-    differences between two compilations of the same math by 10-100x."""
-    for blocks in model.blocks:
-        for block in blocks:
-            norm = block.attn.q_norm
-            target = norm.scale.shape[-1] ** -0.5 if block.gemma4 else 1.0
-            value = target - 1.0 if norm.plus_one else target
-            norm.scale[...] = jnp.full_like(norm.scale[...], value)
-
-
 @functools.cache
 def model_pair(case: str):
     config = CONFIGS[case]()
@@ -105,7 +93,7 @@ def model_pair(case: str):
         gemma.Transformer(config, rngs=nnx.Rngs(4), scan_layers=scan) for scan in (True, False)
     )
     for model in (scanned, unrolled):
-        unit_size_attention_logits(model)
+        gemma.set_unit_size_attention_logits(model)
     return scanned, unrolled
 
 
