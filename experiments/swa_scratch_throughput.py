@@ -272,6 +272,7 @@ def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, pro
             cap,
             chunk=params.max_num_tokens,
             max_batch=params.rows,
+            headroom=params.admission_headroom,
         )
         lay = swajax._layout.with_num_slots(lay, split.num_slots)
     return lay

@@ -16,6 +16,7 @@ from swajax._budget import (  # noqa: E402
     plan_num_slots,
     quota_for_tokens,
     request_slots,
+    rows_held,
 )
 from swajax._config import KVCacheConfig, resolve_scratch_policy  # noqa: E402
 from swajax._layout import (  # noqa: E402
@@ -58,6 +59,7 @@ __all__ += [
     "PoolSpec",
     "StepMetadata",
     "adaptive_split",
+    "rows_held",
     "advance",
     "fitted_batch",
     "fitted_pool_ratio",

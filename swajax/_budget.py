@@ -17,6 +17,7 @@ Owns (DESIGN.md "Budget"):
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -293,6 +294,37 @@ def _log_weights(ratio: Sequence[float], steps: int) -> list[float]:
     return [steps * math.log2(r / ratio[0]) for r in ratio]
 
 
+def rows_held(
+    layout: KVLayout,
+    slots: Sequence[int],
+    length: float,
+    *,
+    chunk: int | None = None,
+    headroom: float = 0.0,
+    max_batch: int | None = None,
+) -> float:
+    """How many sequences of `length` tokens of history `slots` hold beside a prefill chunk,
+    each group keeping `headroom` of its slots free (the admission rule's): the smallest over
+    the groups of the largest B whose demand (`group_demands`) fits the group. Fractional."""
+    chunk = layout.max_chunk if chunk is None else chunk
+    hi = float(layout.max_batch if max_batch is None else max_batch)
+    held = hi
+    for g in range(len(layout.groups)):
+        usable = slots[g] * layout.slot_bytes(g) * (1.0 - headroom)
+
+        def fits(b: float, g=g, usable=usable) -> bool:
+            return group_demands(layout, b * length, b, chunk)[g] <= usable
+
+        if fits(hi):
+            continue
+        lo, up = 0.0, hi
+        for _ in range(50):
+            mid = (lo + up) / 2
+            lo, up = (mid, up) if fits(mid) else (lo, mid)
+        held = min(held, lo)
+    return held
+
+
 def adaptive_split(
     layout: KVLayout,
     requests: Sequence[tuple[int, int]],
@@ -303,16 +335,22 @@ def adaptive_split(
     need: Sequence[int] | None = None,
     current: AdaptiveSplit | None = None,
     steps: int = ADAPTIVE_GRID_STEPS,
+    headroom: float = 0.0,
 ) -> AdaptiveSplit | None:
     """The pool split for queued `requests`, (prompt tokens, max_new_tokens) pairs.
 
     Policy (`pool_ratio="adaptive"`):
-      1. the exact split is `fitted_pool_ratio` at the mean of prompt + max_new_tokens (full
-         layers hold the sum of the lengths, which the mean gives; the window and chunk terms
-         do not depend on it);
+      1. the exact split is `fitted_pool_ratio` at the queue's mean occupancy, prompt + half
+         of max_new_tokens (full layers hold the sum of the running rows' histories, and a
+         running row is on average half-way through its decode; the window and chunk terms do
+         not depend on it);
       2. it is snapped to a grid of `steps` points per octave of each group's weight relative
          to group 0 (within +-4.4 % at 8 steps), so nearby workloads give the same slots and
-         reuse the same compiled layout;
+         reuse the same compiled layout. Of the grid points around the exact split (each weight
+         rounded down or up) it takes the one whose slots hold the most whole rows, then the
+         most rows (`rows_held` at the mean occupancy, with `headroom` of each group kept free as
+         admissions keep it), then the nearest: rounding to the nearest
+         point can take from a sliding group the few slots that the last row's window needed;
       3. hysteresis: None (keep `current`) while every weight of the exact split lies within one
          grid step of `current`'s and `current` holds `need`;
       4. every group gets at least `need[g]` slots, by default what the longest prompt with the
@@ -332,8 +370,8 @@ def adaptive_split(
     if need is None:
         prompt, new = max(n for n, _ in requests), max(k for _, k in requests)
         need = request_slots(layout, prompt, max_new_tokens=new - 1)
-    mean = sum(n + k for n, k in requests) / len(requests)
-    exact = fitted_pool_ratio(layout, mean, quota, chunk=chunk, max_batch=max_batch)
+    occupancy = sum(n + k / 2 for n, k in requests) / len(requests)
+    exact = fitted_pool_ratio(layout, occupancy, quota, chunk=chunk, max_batch=max_batch)
     x = _log_weights(exact, steps)
     if (
         current is not None
@@ -341,17 +379,28 @@ def adaptive_split(
         and all(n >= k for n, k in zip(current.num_slots, need, strict=True))
     ):
         return None
-    point = tuple(round(a) for a in x)
-    weights = [2.0 ** (e / steps) for e in point]
-    ratio = tuple(w / sum(weights) for w in weights)
-    slots = _split_slots(layout, quota, ratio, redistribute=True, minimum=need)
-    held = sum(n * layout.slot_bytes(g) for g, n in enumerate(slots))
-    if held > quota or any(n < k for n, k in zip(slots, need, strict=True)):
+    best = None
+    for point in itertools.product(*[sorted({math.floor(a), math.ceil(a)}) for a in x]):
+        weights = [2.0 ** (e / steps) for e in point]
+        ratio = tuple(w / sum(weights) for w in weights)
+        slots = _split_slots(layout, quota, ratio, redistribute=True, minimum=need)
+        held = sum(n * layout.slot_bytes(g) for g, n in enumerate(slots))
+        if held > quota or any(n < k for n, k in zip(slots, need, strict=True)):
+            continue
+        rows = rows_held(
+            layout, slots, occupancy, chunk=chunk, headroom=headroom, max_batch=max_batch
+        )
+        distance = sum(abs(e - a) for e, a in zip(point, x, strict=True))
+        key = (math.floor(rows + 1e-9), rows, -distance)
+        if best is None or key > best[0]:
+            best = (key, point, ratio, slots)
+    if best is None:
         raise ValueError(
             f"KV quota of {quota} bytes cannot hold one request needing {list(need)} slots per "
             f"pool group of {[layout.slot_bytes(g) for g in range(num_groups)]} bytes"
         )
-    return AdaptiveSplit(point, ratio, _check_slots(layout, quota, slots))
+    _, point, ratio, slots = best
+    return AdaptiveSplit(tuple(point), ratio, _check_slots(layout, quota, slots))
 
 
 # ----------------------------------------------------------------------------- per sequence

@@ -534,6 +534,7 @@ class Engine:
             chunk=self.max_num_tokens,
             max_batch=self.serving_rows,
             current=self._split,
+            headroom=self._headroom_fraction,
         )
         if split is None:
             return False

@@ -39,7 +39,8 @@ def test_fitted_split_by_hand():
     # capped at max_batch: the ratio of Q for 10 sequences
     capped = swajax.fitted_pool_ratio(lay, 1000, 1_000_000, max_batch=10)
     assert capped == pytest.approx((60992 / 380992, 320000 / 380992))
-    # adaptive: log2(full / sliding) = log2(5.7266) = 2.5177 -> 20.14 steps of 1/8 octave -> 20
+    # adaptive, at the mean occupancy 999.5 (prompt + half the new token): about 20.14 steps of
+    # 1/8 octave; point 20 holds 26.6 rows of 999.5 tokens, point 21 (90, 1680 slots) 24.6
     split = swajax.adaptive_split(lay, [(899, 1), (1099, 1), (999, 1)], 1_000_000)
     assert split.point == (0, 20)
     w = 2 ** (20 / 8)
@@ -47,6 +48,24 @@ def test_fitted_split_by_hand():
     # slots: int(10^6 * share) // slot bytes; the exact split would give 96 and 1662
     assert split.num_slots == (int(1e6 / (1 + w)) // 1536, int(1e6 * w / (1 + w)) // 512)
     assert split.num_slots == (97, 1659)
+
+
+def test_adaptive_split_takes_the_grid_point_holding_more_whole_rows():
+    # 4 x (293 + 64): mean occupancy 293 + 64 / 2 = 325 tokens (10,400 B of full slots per row),
+    # the exact split at 7.54 steps, nearest grid point 8. Rows beside a 256-token chunk
+    # (8192 B of sliding bytes), at most max_batch = 64:
+    #   point 7: w = 2^(7/8), slots (352861 // 1536, 647138 // 512) = (229, 1263): sliding
+    #     (229 * 1536 - 8192) / 5280 = 65.07 -> 64, full 1263 * 512 / 10400 = 62.18 -> 62 rows
+    #   point 8: w = 2, slots (217, 1302): sliding (217 * 1536 - 8192) / 5280 = 61.58 -> 61
+    lay = layout()
+    split = swajax.adaptive_split(lay, [(293, 64)] * 4, 1_000_000)
+    assert split.point == (0, 7) and split.num_slots == (229, 1263)
+    assert swajax.rows_held(lay, (229, 1263), 325) == pytest.approx(1263 * 512 / 10400, rel=1e-6)
+    assert swajax.rows_held(lay, (217, 1302), 325) == pytest.approx(325_120 / 5280, rel=1e-6)
+    # the admission headroom counts: 10 % of each group kept free
+    assert swajax.rows_held(lay, (217, 1302), 325, headroom=0.1) == pytest.approx(
+        (217 * 1536 * 0.9 - 8192) / 5280, rel=1e-6
+    )
 
 
 def test_adaptive_split_hysteresis_and_minimum():
