@@ -104,6 +104,7 @@ def main():
     p.add_argument("--input", type=int, default=2048)
     p.add_argument("--output", type=int, default=8)
     p.add_argument("--small", action="store_true", help="small_preset (a CPU smoke run)")
+    p.add_argument("--dump-hlo", action="store_true", help="write the failing step's HLO")
     p.add_argument("--out", default="/tmp/probe_ledger.json")
     args = p.parse_args()
     from flax import nnx
@@ -120,7 +121,7 @@ def main():
         for variant in args.variants.split(","):
             if variant.split(":")[0] not in VARIANTS:
                 raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
-            out = args.out + f".{variant}"
+            out = args.out + "." + variant.replace(":", "_")
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             try:
@@ -202,6 +203,12 @@ def main():
                 rec["transforms_alone"] = dict(ok=bool(ok), used=[int(x) for x in used])
                 rec["ledger_used"] = [int(x) for x in plans[0].used]
                 rec["new_tokens"] = {int(k): int(v) for k, v in plans[0].new_tokens.items()}
+                if args.dump_hlo:  # the failing step as XLA compiled it (buffer assignment)
+                    num_tokens, decode, _, _ = engine._variant(plans)
+                    compiled = engine.lower_step(num_tokens, decode=decode).compile()
+                    with open(args.out + ".hlo.txt", "w") as f:
+                        f.write(compiled.as_text())
+                    rec["hlo"] = args.out + ".hlo.txt"
                 raise
 
         engine._dispatch, engine._collect = patched_dispatch, patched_collect

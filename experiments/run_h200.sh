@@ -45,7 +45,7 @@ for stage in "$@"; do
     probe-ledger)  # PROBE_PRESET=gemma4_31b PROBE_VARIANTS=pallas,ref-attention
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
         --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
-        --out "$OUT/probe_ledger.json" ;;
+        ${PROBE_DUMP_HLO:+--dump-hlo} --out "$OUT/probe_ledger.json" ;;
     cold)
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
         --out "$OUT/cold_start_h200.json" ;;
