@@ -237,12 +237,12 @@ class MoE(nnx.Module):
 
     def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [..., D] through the chosen experts, summed with their weights -> [..., D]."""
-        implementation = self._resolved_implementation(x)
+        implementation = self._resolved_implementation()
         if implementation == "dense":
             return self._experts_dense(x, weights, experts)
         return self._experts_ragged(x, weights, experts, implementation)
 
-    def _resolved_implementation(self, x) -> str:
+    def _resolved_implementation(self) -> str:
         """'auto' -> 'pallas' on a Hopper GPU where the kernel takes the operands; else 'dense'
         on a GPU (XLA lowers `ragged_dot` there to a dense dot over every expert plus masking,
         so the einsums cost the same FLOPs with fewer temporaries); else 'ragged' (CPU)."""
@@ -250,7 +250,7 @@ class MoE(nnx.Module):
             return self.implementation
         if not on_gpu():
             return "ragged"
-        d, f = self.gate_proj.shape[1:]
+        d, f = self.gate_proj.shape[-2:]
         w = jax.ShapeDtypeStruct((1, d, f), self.dtype)
         lhs = jax.ShapeDtypeStruct((1, d), self.dtype)
         w_t = jax.ShapeDtypeStruct((1, f, d), self.dtype)
