@@ -251,10 +251,7 @@ class MoE(nnx.Module):
         if not on_gpu():
             return "ragged"
         d, f = self.gate_proj.shape[-2:]
-        w = jax.ShapeDtypeStruct((1, d, f), self.dtype)
-        lhs = jax.ShapeDtypeStruct((1, d), self.dtype)
-        w_t = jax.ShapeDtypeStruct((1, f, d), self.dtype)
-        fits = supports(lhs, w) and supports(jax.ShapeDtypeStruct((1, f), self.dtype), w_t)
+        fits = supports(self.dtype, d, f) and supports(self.dtype, f, d)
         return "pallas" if on_hopper() and fits else "dense"
 
     def _experts_dense(self, x, weights, experts):
@@ -287,10 +284,9 @@ class MoE(nnx.Module):
 
         gate, up = gmm(xs, self.gate_proj), gmm(xs, self.up_proj)  # [M*k, F]
         y = gmm(gelu_tanh(gate) * up, self.down_proj)  # [M*k, D]
-        # Back to token order and summed over each token's k experts: a gather and a fixed-order
-        # sum (a scatter-add would be nondeterministic on the GPU).
-        inverse = jnp.argsort(order)  # copy j of the [M*k] flat order sits at inverse[j]
-        y = y[inverse].reshape(-1, self.top_k, d)  # [M, k, D]
+        # Back to token order (a scatter to distinct rows) and summed over each token's k experts
+        # in a fixed order: a scatter-add would be nondeterministic on the GPU.
+        y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(-1, self.top_k, d)
         w = weights.reshape(-1, self.top_k, 1).astype(jnp.float32)
         out = jnp.sum(y.astype(jnp.float32) * w, axis=1).astype(y.dtype)  # [M, D]
         return out.reshape(x.shape)

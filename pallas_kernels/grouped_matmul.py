@@ -46,15 +46,13 @@ def tiles(m: int, n: int) -> dict:
     )
 
 
-def supports(lhs, rhs) -> bool:
-    """Whether the Pallas kernel takes these operands (dtype and divisibility)."""
-    k, n = rhs.shape[1:]
-    return (
-        jnp.dtype(lhs.dtype) in _DTYPES
-        and jnp.dtype(lhs.dtype) == jnp.dtype(rhs.dtype)
-        and k % BLOCK_K == 0
-        and n % 64 == 0
-    )
+def supports(dtype, k: int, n: int) -> bool:
+    """Whether the Pallas kernel takes [M, k] x [G, k, n] operands of `dtype`."""
+    return jnp.dtype(dtype) in _DTYPES and k % BLOCK_K == 0 and n % 64 == 0
+
+
+def _kernel_takes(lhs, rhs) -> bool:
+    return jnp.dtype(lhs.dtype) == jnp.dtype(rhs.dtype) and supports(lhs.dtype, *rhs.shape[1:])
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes):
@@ -79,7 +77,7 @@ def _check(lhs, rhs, group_sizes, implementation):
         )
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integer, got {group_sizes.dtype}")
-    if implementation == "pallas" and not supports(lhs, rhs):
+    if implementation == "pallas" and not _kernel_takes(lhs, rhs):
         raise ValueError(
             "the Pallas grouped matmul needs bf16 or f16 operands of one dtype, K a multiple of "
             f"{BLOCK_K} and N a multiple of 64; got lhs {lhs.dtype} {lhs.shape}, rhs {rhs.dtype} "
@@ -97,7 +95,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str = "auto"):
     """
     _check(lhs, rhs, group_sizes, implementation)
     use = implementation == "pallas" or (
-        implementation == "auto" and _checks.on_hopper() and supports(lhs, rhs)
+        implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
     )
     if not use:
         return grouped_matmul_reference(lhs, rhs, group_sizes)

@@ -239,14 +239,18 @@ def fitted_batch(
         raise ValueError(f"need length > 0 and quota >= 1, got {length!r}, {quota!r}")
     chunk = layout.max_chunk if chunk is None else chunk
     hi = float(layout.max_batch if max_batch is None else max_batch)
+    return _largest_batch(
+        lambda b: quota_for_tokens(layout, b * length, b, chunk, scratch) <= quota, hi
+    )
 
-    def fits(b: float) -> bool:
-        return quota_for_tokens(layout, b * length, b, chunk, scratch) <= quota
 
+def _largest_batch(fits, hi: float) -> float:
+    """The largest B in (0, hi] with fits(B), for a demand increasing in B (bisection to well
+    below one sequence); 0 when none fits."""
     if fits(hi):
         return hi
     lo = 0.0
-    for _ in range(60):  # Q is increasing in B: bisection to well below one sequence
+    for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
@@ -308,21 +312,16 @@ def rows_held(
     the groups of the largest B whose demand (`group_demands`) fits the group. Fractional."""
     chunk = layout.max_chunk if chunk is None else chunk
     hi = float(layout.max_batch if max_batch is None else max_batch)
-    held = hi
-    for g in range(len(layout.groups)):
-        usable = slots[g] * layout.slot_bytes(g) * (1.0 - headroom)
-
-        def fits(b: float, g=g, usable=usable) -> bool:
-            return group_demands(layout, b * length, b, chunk)[g] <= usable
-
-        if fits(hi):
-            continue
-        lo, up = 0.0, hi
-        for _ in range(50):
-            mid = (lo + up) / 2
-            lo, up = (mid, up) if fits(mid) else (lo, mid)
-        held = min(held, lo)
-    return held
+    return min(
+        _largest_batch(
+            lambda b, g=g: (
+                group_demands(layout, b * length, b, chunk)[g]
+                <= slots[g] * layout.slot_bytes(g) * (1.0 - headroom)
+            ),
+            hi,
+        )
+        for g in range(len(layout.groups))
+    )
 
 
 def adaptive_split(
