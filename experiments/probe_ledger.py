@@ -13,7 +13,8 @@ into the control arrays), and the control arrays are checked for consistency (ea
 holds distinct in-range slots; refcounts match the tables). Variants, each in its own process:
 "pallas", "reference", and "ref-<kernel>" (the Pallas path with one kernel, kv_write, gather
 or attention, replaced by its reference) to find the step's faulty part; a suffix ":N" cuts
-the preset to its first N layers (full width). One record each.
+the preset to its first N layers (full width), a suffix "@G" caps the KV quota at G GiB
+(`max_gpu_total_bytes`; e.g. "pallas@20", "pallas:24@20"). One record each.
 """
 
 # %%
@@ -59,6 +60,13 @@ def consistency(layout, c) -> dict:
             free_and_held_disjoint=not bool(np.any(ref[free[(free >= 0) & (free < len(ref))]])),
         )
     return out
+
+
+def memory() -> dict:
+    """The device allocator's limit, bytes in use and peak (GiB), where it reports them."""
+    stats = jax.devices()[0].memory_stats() or {}
+    keys = ("bytes_limit", "bytes_in_use", "peak_bytes_in_use", "largest_free_block_bytes")
+    return {k: round(stats[k] / 2**30, 3) for k in keys if k in stats}
 
 
 VARIANTS = ("pallas", "ref-kv_write", "ref-gather", "ref-attention", "reference")
@@ -119,9 +127,9 @@ def main():
         res = run_metadata(**vars(args))
         res["records"] = []
         for variant in args.variants.split(","):
-            if variant.split(":")[0] not in VARIANTS:
+            if variant.split("@")[0].split(":")[0] not in VARIANTS:
                 raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
-            out = args.out + "." + variant.replace(":", "_")
+            out = args.out + "." + variant.replace(":", "_").replace("@", "_q")
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             try:
@@ -136,7 +144,8 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return
-    variant, _, layers = args.child.partition(":")  # "pallas:12": the preset cut to 12 layers
+    variant, _, cap = args.child.partition("@")  # "pallas@20": KV quota capped at 20 GiB
+    variant, _, layers = variant.partition(":")  # "pallas:12": the preset cut to 12 layers
     implementation = "reference" if variant == "reference" else "pallas"
     if variant.startswith("ref-"):
         use_reference_for(variant[4:])
@@ -150,7 +159,11 @@ def main():
         )
         engine = swajax.Engine(
             model,
-            swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16),
+            swajax.KVCacheConfig(
+                page_size=32,
+                dtype=jnp.bfloat16,
+                max_gpu_total_bytes=int(float(cap) * 2**30) if cap else None,
+            ),
             max_context=args.input + args.output,
             max_batch=args.prompts,
             implementation=implementation,
@@ -159,6 +172,7 @@ def main():
         rec["groups"] = [str(g) for g in layout.groups]
         rec["pool_shapes"] = [list(s.shape(layout.page_size)) for s in layout.pools]
         rec["quota"] = engine.quota
+        rec["memory_after_engine"] = memory()
         # The engine reads a step after dispatching the next one: snapshots queue in order.
         snapshots = collections.deque()
         dispatch, collect = engine._dispatch, engine._collect
@@ -176,6 +190,7 @@ def main():
                 return collect()
             except RuntimeError as e:
                 rec["error"] = str(e)
+                rec["memory_at_fault"] = memory()
                 rec["before"] = consistency(layout, before)
                 rec["after"] = consistency(layout, control(engine.state))
                 from swajax._runner import step_inputs
