@@ -14,7 +14,10 @@ holds distinct in-range slots; refcounts match the tables). Variants, each in it
 "pallas", "reference", and "ref-<kernel>" (the Pallas path with one kernel, kv_write, gather
 or attention, replaced by its reference) to find the step's faulty part; a suffix ":N" cuts
 the preset to its first N layers (full width), a suffix "@G" caps the KV quota at G GiB
-(`max_gpu_total_bytes`; e.g. "pallas@20", "pallas:24@20"). One record each.
+(`max_gpu_total_bytes`; e.g. "pallas@20", "pallas:24@20"), a suffix "+remat" compiles the
+steps with XLA's rematerialization pass (`swajax._runner.STEP_COMPILER_OPTIONS` turns it off)
+and `--slop P` sets XLA's memory-limit slop factor (P % of its limit; 0 makes every program
+exceed it, so rematerialization runs at any size). One record each.
 """
 
 # %%
@@ -113,6 +116,7 @@ def main():
     p.add_argument("--output", type=int, default=8)
     p.add_argument("--small", action="store_true", help="small_preset (a CPU smoke run)")
     p.add_argument("--dump-hlo", action="store_true", help="write the failing step's HLO")
+    p.add_argument("--slop", type=int, default=None, help="xla_gpu_memory_limit_slop_factor")
     p.add_argument("--out", default="/tmp/probe_ledger.json")
     args = p.parse_args()
     from flax import nnx
@@ -127,9 +131,9 @@ def main():
         res = run_metadata(**vars(args))
         res["records"] = []
         for variant in args.variants.split(","):
-            if variant.split("@")[0].split(":")[0] not in VARIANTS:
+            if variant.split("+")[0].split("@")[0].split(":")[0] not in VARIANTS:
                 raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
-            out = args.out + "." + variant.replace(":", "_").replace("@", "_q")
+            out = args.out + "." + variant.replace(":", "_").replace("@", "_q").replace("+", "_")
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             try:
@@ -144,12 +148,19 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
         return
-    variant, _, cap = args.child.partition("@")  # "pallas@20": KV quota capped at 20 GiB
+    from swajax import _runner
+
+    variant, _, remat = args.child.partition("+")  # "pallas+remat": XLA's remat pass on
+    options = {} if remat == "remat" else dict(_runner.STEP_COMPILER_OPTIONS)
+    if args.slop is not None:
+        options["xla_gpu_memory_limit_slop_factor"] = args.slop
+    _runner.STEP_COMPILER_OPTIONS = options
+    variant, _, cap = variant.partition("@")  # "pallas@20": KV quota capped at 20 GiB
     variant, _, layers = variant.partition(":")  # "pallas:12": the preset cut to 12 layers
     implementation = "reference" if variant == "reference" else "pallas"
     if variant.startswith("ref-"):
         use_reference_for(variant[4:])
-    rec = dict(ok=False, steps=[])
+    rec = dict(ok=False, steps=[], compiler_options=options)
     try:
         configs = gemma.configs
         overrides = dict(num_layers=int(layers)) if layers else {}
@@ -221,8 +232,10 @@ def main():
                 if args.dump_hlo:  # the failing step as XLA compiled it (buffer assignment)
                     num_tokens, decode, _, _ = engine._variant(plans)
                     compiled = engine.lower_step(num_tokens, decode=decode).compile()
+                    text = compiled.as_text()
+                    rec["remat_instructions"] = text.count(".remat")
                     with open(args.out + ".hlo.txt", "w") as f:
-                        f.write(compiled.as_text())
+                        f.write(text)
                     rec["hlo"] = args.out + ".hlo.txt"
                 raise
 
@@ -234,6 +247,14 @@ def main():
         t0 = time.perf_counter()
         out, stats = engine.run(batch, args.output)
         rec.update(ok=True, seconds=time.perf_counter() - t0, steps=stats.step_slots)
+        if args.dump_hlo:  # did XLA rematerialize anything in the steps that ran?
+            rec["remat_instructions"] = {
+                str(v[:2]): engine._lower(v[0], v[1], v[3], logits=v[2])
+                .compile()
+                .as_text()
+                .count(".remat")
+                for v in engine._ran
+            }
     except Exception:  # noqa: BLE001
         rec["traceback"] = traceback.format_exc()[-3000:]
     with open(args.out, "w") as f:

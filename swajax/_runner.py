@@ -167,6 +167,16 @@ def _traced_step(*args, **kwargs):
     return _step(*args, **kwargs)
 
 
+# Compiler options of every jit that donates the pool state. XLA's HLO rematerialization runs
+# when its estimate of a program's peak exceeds its memory limit (80 % of device memory less
+# the program's inputs and outputs, so a large model plus a large KV pool leaves it little),
+# and its clones can read a donated parameter after the step has updated that buffer in place:
+# Gemma 4 31B's first step read its new page tables as the old ones and reported the wrong
+# slot counts (experiments/NOTES.md, v12). A step that does not fit then fails with an
+# out-of-memory error instead of computing on overwritten state.
+STEP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
+
 @functools.lru_cache(maxsize=64)
 def step_function(
     graphdef,
@@ -199,7 +209,9 @@ def step_function(
         return_logits=logits,
     )
     if mesh is None:
-        return jax.jit(bound, donate_argnums=(1, 2))  # state, tables (called positionally)
+        return jax.jit(  # state, tables (called positionally)
+            bound, donate_argnums=(1, 2), compiler_options=dict(STEP_COMPILER_OPTIONS)
+        )
     replica = _sharding.replica_sharding(mesh)
     out_shardings = StepOutput(
         _sharding.state_shardings(layout, mesh),
@@ -214,10 +226,13 @@ def step_function(
         _sharding.per_replica(bound, mesh, num_shared=1),
         donate_argnums=(1, 2),
         out_shardings=out_shardings,
+        compiler_options=dict(STEP_COMPILER_OPTIONS),
     )
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+@functools.partial(
+    jax.jit, static_argnums=0, donate_argnums=1, compiler_options=STEP_COMPILER_OPTIONS
+)
 def bookkeeping_step(layout, state, free_a, shares_a, free_b):
     """A step without a forward: only free_a -> shares_a -> free_b (aborts, cache clears)."""
     return bookkeeping_before(layout, state, free_a, shares_a, free_b)
@@ -231,6 +246,7 @@ def sharded_bookkeeping_step(layout: KVLayout, mesh):
         _sharding.per_replica(functools.partial(bookkeeping_before, layout), mesh, num_shared=0),
         donate_argnums=0,
         out_shardings=(replica, _sharding.state_shardings(layout, mesh)),
+        compiler_options=dict(STEP_COMPILER_OPTIONS),
     )
 
 

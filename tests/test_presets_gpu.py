@@ -61,7 +61,7 @@ def preset_prompts(config, seed: int):
     return [rng.integers(1, config.vocab_size, size=n).tolist() for n in lengths]
 
 
-def generate(model, prompts, *, implementation, scratch):
+def make_engine(model, prompts, *, implementation, scratch):
     config = model.config
     chunk = config.sliding_window + 512  # larger than the window: scratch is used
     kv = swajax.KVCacheConfig(
@@ -80,6 +80,11 @@ def generate(model, prompts, *, implementation, scratch):
         implementation=implementation,
         min_prefill_bucket=len(prompts) * chunk,  # one prefill variant
     )
+    return engine
+
+
+def generate(model, prompts, *, implementation, scratch):
+    engine = make_engine(model, prompts, implementation=implementation, scratch=scratch)
     outputs, stats = engine.run(prompts, MAX_NEW, collect_logits=True)
     return outputs, _logits_by_token(stats)
 
@@ -116,3 +121,29 @@ def test_preset_generates_with_pallas_kernels(name, monkeypatch):
     for scratch in (True, False):
         tokens, logits = generate(model, prompts, implementation="pallas", scratch=scratch)
         assert_same_up_to_near_ties(ref_tokens, ref_logits, tokens, logits)
+
+
+@pytest.mark.gpu
+def test_steps_compile_without_rematerialization_under_memory_pressure(monkeypatch):
+    """XLA's memory limit forced to zero (`xla_gpu_memory_limit_slop_factor=0`: every program
+    is over it, as a full-size model plus its KV pool nearly was): the steps still compile
+    without rematerialization clones (they once read the donated page tables after the step
+    had updated them; `swajax._runner.STEP_COMPILER_OPTIONS`), the device holds the slots the
+    ledger planned (the engine checks every step) and the tokens equal the default compile's."""
+    model = preset_model("gemma4_31b")
+    prompts = preset_prompts(model.config, seed=3)
+    engine = make_engine(model, prompts, implementation="pallas", scratch=True)
+    want, _ = engine.run(prompts, MAX_NEW)
+    options = {**swajax._runner.STEP_COMPILER_OPTIONS, "xla_gpu_memory_limit_slop_factor": 0}
+    monkeypatch.setattr(swajax._runner, "STEP_COMPILER_OPTIONS", options)
+    swajax._runner.step_function.cache_clear()
+    try:
+        engine = make_engine(model, prompts, implementation="pallas", scratch=True)
+        got, _ = engine.run(prompts, MAX_NEW)
+        assert got == want
+        assert engine._ran
+        for num_tokens, decode, logits, mode in engine._ran:
+            text = engine._lower(num_tokens, decode, mode, logits=logits).compile().as_text()
+            assert ".remat" not in text, (num_tokens, decode)
+    finally:
+        swajax._runner.step_function.cache_clear()
