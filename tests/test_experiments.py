@@ -296,3 +296,38 @@ def test_swa_scratch_records_merge_and_token_check():
     assert comp["pinned_8k"]["change_pct"] == pytest.approx(50.0)
     assert comp["adaptive"]["off_reference"] == "pinned_8k"
     assert comp["adaptive"]["change_vs_reference_off_pct"] == pytest.approx(0.0)
+
+
+def test_swa_scratch_divergence_check_recomputes_logits_alone():
+    """check_divergences on outputs made to differ: ON's token at a chosen position replaced.
+    Oracle: the dense forward `model(tokens)` of prompt + the common prefix (its last logits);
+    OFF's token is its argmax (greedy), the replaced token is not a near tie of it."""
+    from flax import nnx
+
+    params = swa_scratch.QUICK
+    config = swa_scratch.model_config("gemma4_e2b", params)
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    prompts = [[3, 7, 11, 5] * 5, [9, 2] * 12]
+    engine = swa_scratch.divergence_engine(model, params, 64)
+    off, _ = engine.run(prompts, 6)
+    on = [list(o) for o in off]
+    dense = np.asarray(model(np.asarray([prompts[1] + off[1][:3]])))[0, -1]
+    on[1][3] = int(np.argsort(dense)[len(dense) // 2])  # a median token: far from the top
+    check = swa_scratch.check_divergences(engine, prompts, on, off, limit=4)
+    assert (check["differing"], check["checked"], check["near_ties"]) == (1, 1, 0)
+    (d,) = check["details"]
+    assert (d["request"], d["position"], d["off_token"], d["on_token"]) == (
+        1,
+        3,
+        off[1][3],
+        on[1][3],
+    )
+    assert d["alone_token"] == off[1][3] == int(dense.argmax())
+    np.testing.assert_allclose(
+        [d["top_logit"], d["on_logit"]], [dense.max(), dense[on[1][3]]], rtol=1e-4, atol=1e-5
+    )
+    assert d["rel_gap"] == pytest.approx(
+        (dense.max() - dense[on[1][3]]) / max(1.0, abs(dense.max())), rel=1e-3
+    )
+    assert d["rel_gap"] > swa_scratch.NEAR_TIE
+    assert swa_scratch.check_divergences(engine, prompts, off, off, limit=4)["differing"] == 0
