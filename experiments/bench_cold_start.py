@@ -2,11 +2,20 @@
 
     SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --out $OUT/c.json
     PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --out /tmp/c.json
+    # CPU, the presets' depth at small widths (reference attention): the caches' effect
+    PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --full-depth \
+        --out experiments/results/cold_start_cpu_full_depth.json
+    # CPU: lowering for CUDA (Pallas kernels) with and without the step cache
+    SWAJAX_COMPILATION_CACHE=0 PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py \
+        --lowering --out experiments/results/step_cache_lowering_cpu.json
 
 Cold start (per preset, full size, random bf16 weights, Pallas kernels): a fresh process with
 an empty persistent compilation cache times `swajax.Engine(...)` construction to the first
 generated token of one 512-token prompt (`cold_s`; model initialisation is `init_s`, not
-counted), then a second fresh process with the cache the first one filled (`warm_cache_s`).
+counted), then a second fresh process with the caches the first one filled (`warm_cache_s`:
+JAX's compilation cache and swajax's step cache, whose steps are neither traced nor lowered);
+the same pair with the step cache off (`cold_no_step_cache_s`,
+`warm_compilation_cache_only_s`: steps traced and lowered again before the cache lookup).
 `precompile` records the same with `Engine(precompile=True)` (every step shape compiled at
 construction, in threads) where asked.
 
@@ -31,7 +40,7 @@ import traceback
 PRESETS = ("gemma3_4b", "gemma4_e2b")
 
 
-def child(preset: str, quick: bool, precompile: bool) -> dict:
+def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
     """One fresh process: build the model, then time engine construction -> first token."""
     import jax
     import jax.numpy as jnp
@@ -40,7 +49,11 @@ def child(preset: str, quick: bool, precompile: bool) -> dict:
     import gemma
     import swajax
 
-    config = gemma.configs.small_preset(preset) if quick else gemma.configs.preset(preset)
+    config = gemma.configs.preset(preset)
+    if quick:  # (full_depth: the preset's layers, small widths: tracing and lowering at scale)
+        config = gemma.configs.small_preset(
+            preset, num_layers=config.num_layers if full_depth else None
+        )
     t0 = time.perf_counter()
     model = gemma.Transformer(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
@@ -51,7 +64,10 @@ def child(preset: str, quick: bool, precompile: bool) -> dict:
     t0 = time.perf_counter()
     engine = swajax.Engine(
         model,
-        swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16),
+        # (quick: a small pool; on the CPU the default quota is a share of host memory)
+        swajax.KVCacheConfig(
+            page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=(256 << 20) if quick else None
+        ),
         max_context=4096,
         max_batch=16,
         max_num_tokens=512 if quick else 8192,
@@ -72,25 +88,106 @@ def child(preset: str, quick: bool, precompile: bool) -> dict:
     )
 
 
-def cold_start(preset: str, quick: bool, precompile: bool) -> dict:
-    rec = dict(kind="cold_start", preset=preset, precompile=precompile)
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, SWAJAX_COMPILATION_CACHE_DIR=cache, SWAJAX_COMPILATION_CACHE="1")
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)
-        cmd = [sys.executable, __file__, "--child", preset]
-        cmd += ["--quick"] if quick else []
-        cmd += ["--precompile"] if precompile else []
-        for label in ("cold", "warm_cache"):
+def cold_start(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
+    """Fresh processes, two per cache setting, each pair on an empty cache directory: with the
+    step cache (the default; `swajax._step_cache`: a warm process neither traces nor lowers its
+    steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's compilation
+    cache only, steps traced and lowered again) `cold_no_step_cache_s` then
+    `warm_compilation_cache_only_s`. The two settings compile different modules (the step cache
+    calls an exported step), so each fills its own directory."""
+    rec = dict(kind="cold_start", preset=preset, precompile=precompile, full_depth=full_depth)
+    cmd = [sys.executable, __file__, "--child", preset]
+    cmd += ["--quick"] if quick else []
+    cmd += ["--precompile"] if precompile else []
+    cmd += ["--full-depth"] if full_depth else []
+    settings = (
+        ("1", ("cold", "warm_cache")),
+        ("0", ("cold_no_step_cache", "warm_compilation_cache_only")),
+    )
+    for step_cache, labels in settings:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(
+                os.environ,
+                SWAJAX_COMPILATION_CACHE_DIR=cache,
+                SWAJAX_COMPILATION_CACHE="1",
+                SWAJAX_STEP_CACHE=step_cache,
+            )
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
+            env.pop("SWAJAX_STEP_CACHE_DIR", None)
+            for label in labels:
+                t0 = time.perf_counter()
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+                if out.returncode:
+                    rec[f"{label}_error"] = out.stderr[-1500:]
+                    break
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                rec[f"{label}_s"] = r["first_token_s"]
+                rec[f"{label}_process_s"] = wall
+                rec[f"{label}_detail"] = r
+    return rec
+
+
+def lowering_record(preset: str) -> dict:
+    """What the step cache saves a warm process, measured without a GPU: the preset's layers at
+    small widths with the Pallas kernels, each step variant (a prefill bucket of 8192 tokens,
+    the decode bucket) lowered for CUDA (the whole Mosaic GPU lowering runs on the CPU):
+    `plain_s` traces and lowers the jitted step (what a warm process did with the compilation
+    cache alone), `export_s` exports and serializes it (a cold process, once), `cached_s`
+    deserializes it and lowers the thin jit that calls it (a warm process with the step cache).
+    The time to look the executable up in the compilation cache is the same for both."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import gemma
+    import swajax
+    from pallas_kernels import _checks
+    from swajax import _step_cache
+
+    config = gemma.configs.small_preset(preset, num_layers=gemma.configs.preset(preset).num_layers)
+    model = gemma.Transformer(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
+    engine = swajax.Engine(
+        model,
+        swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=64 << 20),
+        max_context=4096,
+        max_batch=16,
+        max_num_tokens=8192,
+        implementation="pallas",
+    )
+    jax.jit(lambda x: x + 1).lower(jnp.ones(3))  # jax's own first-use costs, outside the timings
+    rec = dict(kind="lowering", preset=preset, num_layers=config.num_layers, variants=[])
+    for num_tokens, decode in ((8192, False), (engine.step_buckets()[0][0], True)):
+        step = engine._step_function(decode, False, "greedy")
+        args = engine._step_args(num_tokens)
+        with _checks.force_compiled():
             t0 = time.perf_counter()
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            if out.returncode:
-                rec[f"{label}_error"] = out.stderr[-1500:]
-                break
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            rec[f"{label}_s"] = r["first_token_s"]
-            rec[f"{label}_process_s"] = wall
-            rec[f"{label}_detail"] = r
+            plain = step._jitted.trace(*args).lower(lowering_platforms=("cuda",))
+            plain_s = time.perf_counter() - t0
+            leaves, in_tree = jax.tree.flatten(args)
+            t0 = time.perf_counter()
+            exported, out_tree = step._export(leaves, in_tree, platforms=("cuda",))
+            data = bytes(exported.serialize())
+            export_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            loaded = jax.export.deserialize(bytearray(data))
+            fn = _step_cache.call_exported(loaded, out_tree, (1, 2), step._options)
+            cached = fn.trace(*args).lower(lowering_platforms=("cuda",))
+            cached_s = time.perf_counter() - t0
+        rec["variants"].append(
+            dict(
+                num_tokens=num_tokens,
+                decode=decode,
+                plain_s=plain_s,
+                export_s=export_s,
+                cached_s=cached_s,
+                serialized_bytes=len(data),
+                mosaic_kernels_plain=plain.as_text().count("mosaic_gpu"),
+                mosaic_kernels_cached=cached.as_text().count("mosaic_gpu"),
+            )
+        )
     return rec
 
 
@@ -176,12 +273,33 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--child", default=None)
     p.add_argument("--precompile", action="store_true")
+    p.add_argument("--full-depth", action="store_true", help="--quick with the presets' depth")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--decode", action="store_true", help="also the Gemma 3 4B decode step")
     p.add_argument("--both", action="store_true", help="cold start with and without precompile")
+    p.add_argument(
+        "--lowering", action="store_true", help="only the lowering with and without the step cache"
+    )
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.quick, args.precompile)))
+        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth)))
+        return
+    if args.lowering:  # CPU: no device needed
+        from experiments._meta import run_metadata
+
+        res = run_metadata(presets=args.presets, lowering=True)
+        res["records"] = [lowering_record(p) for p in filter(None, args.presets.split(","))]
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        for r in res["records"]:
+            for v in r["variants"]:
+                print(
+                    f"{r['preset']:<12} {'decode' if v['decode'] else 'prefill'} "
+                    f"{v['num_tokens']:>5} tokens: trace+lower {v['plain_s']:5.2f} s, with the "
+                    f"step cache {v['cached_s']:5.2f} s (export once {v['export_s']:5.2f} s, "
+                    f"{v['serialized_bytes'] / 2**20:.1f} MiB, Mosaic kernels "
+                    f"{v['mosaic_kernels_plain']} / {v['mosaic_kernels_cached']})"
+                )
         return
     copy = None
     if not args.quick:
@@ -190,11 +308,13 @@ def main():
         _, copy = torch_ceilings()
     from experiments._meta import run_metadata
 
-    res = run_metadata(quick=args.quick, presets=args.presets, copy_tbs=copy)
+    res = run_metadata(
+        quick=args.quick, full_depth=args.full_depth, presets=args.presets, copy_tbs=copy
+    )
     res["records"] = []
     for preset in filter(None, args.presets.split(",")):
         for pre in (False, True) if args.both else (args.precompile,):
-            res["records"].append(cold_start(preset, args.quick, pre))
+            res["records"].append(cold_start(preset, args.quick, pre, args.full_depth))
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
     if args.decode:
@@ -212,8 +332,10 @@ def main():
             print(
                 f"{r['preset']:<12} precompile={r['precompile']!s:<5} cold "
                 f"{r.get('cold_s', float('nan')):6.1f} s  warm cache "
-                f"{r.get('warm_cache_s', float('nan')):6.1f} s "
-                f"{(r.get('cold_error') or r.get('warm_cache_error') or '')[-200:]}"
+                f"{r.get('warm_cache_s', float('nan')):6.1f} s  (step cache off: cold "
+                f"{r.get('cold_no_step_cache_s', float('nan')):6.1f} s, warm "
+                f"{r.get('warm_compilation_cache_only_s', float('nan')):6.1f} s) "
+                + " ".join(v[-200:] for k, v in r.items() if k.endswith("_error"))
             )
         else:
             print(

@@ -27,6 +27,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -135,7 +136,9 @@ def main():
                 raise ValueError(f"unknown variant {variant!r}; variants: {VARIANTS}")
             out = args.out + "." + variant.replace(":", "_").replace("@", "_q").replace("+", "_")
             cmd = [sys.executable, __file__, *sys.argv[1:], "--child", variant, "--out", out]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            # the variants patch kernels at run time: no step cache (its key cannot see that)
+            env = dict(os.environ, SWAJAX_STEP_CACHE="0")
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             try:
                 with open(out) as f:
                     rec = json.load(f)

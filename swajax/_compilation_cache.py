@@ -7,7 +7,8 @@ chose otherwise: `$SWAJAX_COMPILATION_CACHE_DIR`, else `$XDG_CACHE_HOME/swajax/j
 `SWAJAX_COMPILATION_CACHE=0` to leave JAX's setting untouched (the cache off unless configured).
 
 The compiled steps, Mosaic GPU kernels included, are then read back in a new process instead of
-being compiled again; tracing and lowering still run.
+being compiled again. The step cache (`swajax._step_cache`, a `swajax-steps/` directory inside
+this one) spares that process tracing and lowering the steps as well.
 """
 
 from __future__ import annotations

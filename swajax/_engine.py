@@ -81,6 +81,7 @@ from swajax._scheduler import (
     default_headroom,
 )
 from swajax._state import init_state
+from swajax._step_cache import resolve
 
 MIN_BUCKET = 8
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -315,7 +316,8 @@ class Engine:
         if param_specs is not None:
             shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), param_specs)
             self.params = jax.device_put(self.params, shardings)
-        self._steps: dict = {}
+        self._steps: dict = {}  # (decode, logits, mode) -> step function
+        self._resolved: dict = {}  # (tokens, decode, logits, mode) -> its callable
         self._ran: set = set()  # step variants (`_variant`) this engine has dispatched
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -551,6 +553,7 @@ class Engine:
         self.layout = layout
         self._traces_at_start.setdefault(layout, trace_count(layout))
         self._steps = {}  # compiled steps are per layout (and shared across engines)
+        self._resolved = {}
         self._ran = set()
         self._init_pool()
         self.headroom = default_headroom(self.num_slots, self._headroom_fraction)
@@ -624,10 +627,14 @@ class Engine:
             )
             for plan in plans
         ]
-        step = self._step_function(decode, logits, mode)
         inputs = self._device_inputs(inputs)
+        args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
+        step = self._resolved.get(variant)  # the callable of this exact shape, once resolved
+        if step is None:
+            step = resolve(self._step_function(decode, logits, mode), args)
+            self._resolved[variant] = step
         with _sigint_deferred():
-            out = step(self.params, self.state, self.tables, self._prev_tokens, inputs)
+            out = step(*args)
             self.state, self.tables, self._prev_tokens = out.state, out.tables, out.next_tokens
         self._in_flight = (plans, out)
         stats = self._stats
@@ -968,6 +975,12 @@ class Engine:
     def _lower(
         self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None, logits=False
     ):
+        step = self._step_function(decode, logits, mode)
+        args = self._step_args(num_tokens)
+        return step.trace(*args).lower(lowering_platforms=lowering_platforms)
+
+    def _step_args(self, num_tokens: int) -> tuple:
+        """The step's arguments for a token bucket, its inputs as shapes (for lowering)."""
         b, s = self.layout.max_batch, self.max_shares
         if self.mesh is None:
             sds = jax.ShapeDtypeStruct
@@ -992,9 +1005,7 @@ class Engine:
             sds((b,), jnp.int32),
             sds((b,), jnp.float32),
         )
-        step = self._step_function(decode, logits, mode)
-        args = (self.params, self.state, self.tables, self._prev_tokens, inputs)
-        return step.trace(*args).lower(lowering_platforms=lowering_platforms)
+        return (self.params, self.state, self.tables, self._prev_tokens, inputs)
 
     # ------------------------------------------------------------------ inspection
 

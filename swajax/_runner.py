@@ -24,6 +24,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
+import json
 from typing import NamedTuple
 
 import jax
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from swajax import _sharding
+from swajax import _sharding, _step_cache
 from swajax._layout import KVLayout
 from swajax._paged import make_attention_fn, token_positions
 from swajax._sampling import sample, token_keys
@@ -209,8 +211,22 @@ def step_function(
         return_logits=logits,
     )
     if mesh is None:
-        return jax.jit(  # state, tables (called positionally)
-            bound, donate_argnums=(1, 2), compiler_options=dict(STEP_COMPILER_OPTIONS)
+        options = dict(STEP_COMPILER_OPTIONS)
+        jitted = jax.jit(bound, donate_argnums=(1, 2), compiler_options=options)  # state, tables
+        static = [
+            hashlib.sha256(repr(graphdef).encode()).hexdigest(),
+            repr(layout),
+            decode,
+            implementation,
+            sampling_mode,
+            logits,
+        ]
+        return _step_cache.CachedStep(
+            jitted,
+            bound,
+            json.dumps(static),
+            donate_argnums=(1, 2),
+            compiler_options=options,
         )
     replica = _sharding.replica_sharding(mesh)
     out_shardings = StepOutput(

@@ -5,8 +5,10 @@ import os
 import jax
 import pytest
 
-# Tests compile into a fresh process state; the persistent cache is tested on its own.
+# Tests compile into a fresh process state; the persistent caches are tested on their own
+# (tests patch kernels at run time, which the step cache's key cannot see).
 os.environ.setdefault("SWAJAX_COMPILATION_CACHE", "0")
+os.environ.setdefault("SWAJAX_STEP_CACHE", "0")
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

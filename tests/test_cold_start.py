@@ -82,13 +82,19 @@ SCRIPT = textwrap.dedent(
     engine = swajax.Engine(make_model("gemma3"), kv_config(True), max_context=64, max_batch=2,
                            prefill_chunk_size=16, max_num_tokens=32, implementation="reference")
     print(engine.run(prompts_of([20, 5]), 3)[0])
+    print("TRACES", engine.trace_count)
     print("HITS", len(hits))
     """
 )
 
 
 def test_second_process_compiles_from_the_persistent_cache(tmp_path):
-    env = dict(os.environ, SWAJAX_COMPILATION_CACHE="1", SWAJAX_COMPILATION_CACHE_DIR=str(tmp_path))
+    env = dict(
+        os.environ,
+        SWAJAX_COMPILATION_CACHE="1",
+        SWAJAX_COMPILATION_CACHE_DIR=str(tmp_path),
+        SWAJAX_STEP_CACHE="1",
+    )
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     script = SCRIPT.format(tests=str(Path(__file__).parent))
     runs = [
@@ -101,3 +107,48 @@ def test_second_process_compiles_from_the_persistent_cache(tmp_path):
     assert any(tmp_path.iterdir())  # the first process filled the cache
     first_hits, second_hits = (int(r[-1].split()[-1]) for r in runs)
     assert second_hits > first_hits, (first_hits, second_hits)
+    # the step cache beside it: the first process traced its steps, the second none
+    first_traces, second_traces = (int(r[-2].split()[-1]) for r in runs)
+    assert first_traces >= 2 and second_traces == 0, (first_traces, second_traces)
+    assert len(list((tmp_path / "swajax-steps").glob("*.exported"))) == first_traces
+
+
+def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_path, monkeypatch):
+    """A second engine whose in-memory steps are gone (as in a new process) loads the exported
+    steps the first one stored: no trace, the dense forward's greedy tokens, the pool roots
+    still donated and updated in place; a changed key (another layout) exports anew."""
+    monkeypatch.setenv("SWAJAX_STEP_CACHE", "1")
+    monkeypatch.setenv("SWAJAX_STEP_CACHE_DIR", str(tmp_path))
+    model = make_model("gemma4")
+    prompts = prompts_of([30, 9, 21], seed=4)
+    expected = dense_greedy(model, prompts, 5)
+    swajax._runner.step_function.cache_clear()
+    try:
+        first = _engine(model)
+        assert first.run(prompts, 5)[0] == expected
+        traced = first.trace_count
+        stored = sorted(tmp_path.glob("*.exported"))
+        assert traced >= 2 and len(stored) == traced
+        swajax._runner.step_function.cache_clear()  # the in-memory steps of this process
+        second = _engine(model)
+        pools = second.state.pools
+        before = [p.unsafe_buffer_pointer() for p in pools]
+        assert second.run(prompts, 5)[0] == expected
+        assert second.trace_count == 0
+        assert [p.unsafe_buffer_pointer() for p in second.state.pools] == before
+        assert all(p.is_deleted() for p in pools)  # donated
+        assert sorted(tmp_path.glob("*.exported")) == stored
+        third = swajax.Engine(
+            model,
+            kv_config(True, max_gpu_total_bytes=None, free_gpu_memory_fraction=0.05),
+            max_context=128,
+            max_batch=2,  # another layout: other steps
+            prefill_chunk_size=16,
+            max_num_tokens=48,
+            implementation="reference",
+        )
+        assert third.run(prompts[:2], 5)[0] == expected[:2]
+        assert third.trace_count >= 2
+        assert len(list(tmp_path.glob("*.exported"))) == len(stored) + third.trace_count
+    finally:
+        swajax._runner.step_function.cache_clear()

@@ -331,3 +331,15 @@ def test_swa_scratch_divergence_check_recomputes_logits_alone():
     )
     assert d["rel_gap"] > swa_scratch.NEAR_TIE
     assert swa_scratch.check_divergences(engine, prompts, off, off, limit=4)["differing"] == 0
+
+
+def test_bench_cold_start_lowering_with_the_step_cache():
+    """bench_cold_start --lowering on one preset: the step exported, serialized, read back and
+    lowered for CUDA embeds every Mosaic GPU kernel the plain lowering has."""
+    bench = _load("bench_cold_start")
+    rec = bench.lowering_record("gemma3_1b")
+    assert [v["decode"] for v in rec["variants"]] == [False, True]
+    for v in rec["variants"]:
+        assert v["mosaic_kernels_plain"] > 0
+        assert v["mosaic_kernels_cached"] == v["mosaic_kernels_plain"]
+        assert v["serialized_bytes"] > 0
