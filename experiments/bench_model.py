@@ -374,6 +374,7 @@ def model_decode_records(
     """One decode step of the paged Gemma 3 4B forward (see the module docstring)."""
     from flax import nnx
 
+    from swajax import _step_cache
     from swajax._runner import StepInputs, initial_tables, step_function
 
     records = []
@@ -454,6 +455,9 @@ def model_decode_records(
             tables = initial_tables(layout)
             box = [decode_state(layout, context - 1, jax.random.key(1)), tables, first_tokens]
             count = [0]
+
+            # the callable for these shapes, resolved once as the engine does
+            step = _step_cache.resolve(step, (params, box[0], box[1], box[2], inputs))
 
             def call(step=step, box=box, count=count):
                 out = step(params, box[0], box[1], box[2], inputs)

@@ -81,7 +81,7 @@ from swajax._scheduler import (
     default_headroom,
 )
 from swajax._state import init_state
-from swajax._step_cache import resolve
+from swajax._step_cache import CachedStep, resolve
 
 MIN_BUCKET = 8
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -976,6 +976,8 @@ class Engine:
         self, num_tokens: int, decode: bool, mode: str, lowering_platforms=None, logits=False
     ):
         step = self._step_function(decode, logits, mode)
+        if lowering_platforms is not None and isinstance(step, CachedStep):
+            step = step.jitted  # the step cache stores this backend's lowering only
         args = self._step_args(num_tokens)
         return step.trace(*args).lower(lowering_platforms=lowering_platforms)
 

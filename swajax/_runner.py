@@ -151,8 +151,11 @@ def _step(
     )
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = _shares(layout, state, inputs.shares_b)
+    # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are
+    # small and rebuilt every step, so none are carried (the next step gets None again).
+    carried = tables if layout.page_table_mode == "per_layer" else None
     return StepOutput(
-        state, tables, next_tokens, ok & shared, used, logits if return_logits else None
+        state, carried, next_tokens, ok & shared, used, logits if return_logits else None
     )
 
 
@@ -190,7 +193,9 @@ def step_function(
     logits: bool,
     mesh=None,
 ):
-    """The jitted step with its static arguments bound (state and tables donated).
+    """The jitted step with its static arguments bound (state and tables donated); without a
+    mesh wrapped in a `swajax._step_cache.CachedStep` (called the same way; exported steps kept
+    on disk when the step cache is on).
 
     Bound once per (model structure, layout, mode, mesh): hashing a model's GraphDef costs
     about 1.6 ms (Gemma 3 4B), which a jit call with static arguments would pay at every step.

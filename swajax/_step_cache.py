@@ -2,13 +2,13 @@
 
 With JAX's persistent compilation cache a new process still traces every step variant and
 lowers it, Mosaic GPU kernels included, before it can look the executable up: for a Gemma 3 4B
-prefill step that is 5.7 s on one CPU core, 3.7 s of it lowering its six Mosaic GPU kernels
-(`experiments/NOTES.md` v12). This cache stores each variant the first time it is lowered as a
-serialized `jax.export.Exported` of the step over its flattened arguments, with the tree of its
-outputs. A later process with the same key deserializes it and calls it from a thin jit (the
-same donation and compiler options), whose lowering only embeds the stored module; the
-compiled executable then comes from the compilation cache as before. A step found here is not
-traced (`swajax._runner.trace_count` does not move).
+prefill step that is 3.4 s on this project's CI machine, most of it lowering its Mosaic
+GPU kernels (`experiments/NOTES.md` v12). This cache stores each variant the first time it is
+lowered as a serialized `jax.export.Exported` of the step over its flattened arguments, with
+the tree of its outputs. A later process with the same key deserializes it and calls it from a
+thin jit (the same donation and compiler options), whose lowering only embeds the stored
+module; the compiled executable then comes from the compilation cache as before. A step found
+here is not traced (`swajax._runner.trace_count` does not move).
 
 Where: `$SWAJAX_STEP_CACHE_DIR`, else `swajax-steps/` inside JAX's compilation cache directory
 when one is set (swajax turns that cache on by default: `swajax._compilation_cache`); off
@@ -16,12 +16,16 @@ otherwise, or with `SWAJAX_STEP_CACHE=0`. Not used with a mesh.
 
 Key: the step's static arguments (a digest of the model's GraphDef, the layout, decode,
 implementation, sampling mode, logits), the arguments' tree, shapes and dtypes, the compiler
-options, the backend and device kind, the jax and jaxlib versions, and a digest of the source
-files of `swajax`, `gemma` and `pallas_kernels` (any code change is a new key), and the jax
-settings that change lowering (matmul precision, x64, PRNG). A file that cannot be read is
-exported again; a step that cannot be exported runs on the ordinary jit path. Code patched at
-run time (monkeypatching a kernel or the model in a session) is invisible to the key: turn the
-cache off (`SWAJAX_STEP_CACHE=0`, as the test suite does) while doing that.
+options, the backend and device kind, the jax, jaxlib and flax versions, a digest of the
+source files of `swajax`, `gemma` and `pallas_kernels` (any code change is a new key), and the
+jax settings that change lowering (matmul precision, x64, PRNG, Pallas debug checks); under a
+forced Pallas mode (`pallas_kernels._checks.force_interpret` / `force_compiled`) the cache is
+not used. Model code outside those packages (a user's own modules) is not in the key. A file
+that cannot be read is exported again; a step that cannot be exported runs on the ordinary jit
+path. Code patched at run time (monkeypatching a kernel or the model in a session) is
+invisible to the key: turn the cache off (`SWAJAX_STEP_CACHE=0`, as the test suite does) while
+doing that. The directory is trusted like JAX's own cache (the outputs' tree is a pickle);
+nothing is evicted (a variant is 0.3-0.7 MiB).
 """
 
 from __future__ import annotations
@@ -39,13 +43,38 @@ from pathlib import Path
 import jax
 
 _PACKAGES = ("swajax", "gemma", "pallas_kernels")
-# jax settings that change how a step lowers
+# jax settings that change how a step lowers (those this jax has)
 _CONFIG = (
     "jax_default_matmul_precision",
     "jax_enable_x64",
     "jax_default_prng_impl",
     "jax_threefry_partitionable",
+    "jax_threefry_gpu_kernel_lowering",
+    "jax_pallas_enable_debug_checks",
+    "jax_pallas_poison_buffers",
+    "jax_ragged_dot_use_gpu_pallas_triton_lowering",
+    "jax_debug_key_reuse",
 )
+
+
+def _lowering_settings() -> tuple:
+    """What besides the arguments changes a step's lowering in this process: the jax settings
+    above and a forced Pallas mode (`pallas_kernels._checks.force_interpret/force_compiled`)."""
+    from pallas_kernels import _checks
+
+    config = tuple((k, str(getattr(jax.config, k, None))) for k in _CONFIG)
+    return config, _checks._FORCED_MODE[0]
+
+
+@functools.cache
+def _versions() -> dict:
+    out = {}
+    for name in ("jax", "jaxlib", "flax"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = getattr(__import__(name), "__version__", "?")
+    return out
 
 
 @functools.cache
@@ -67,7 +96,9 @@ def cache_dir() -> Path | None:
     if os.environ.get("SWAJAX_STEP_CACHE_DIR"):
         return Path(os.environ["SWAJAX_STEP_CACHE_DIR"])
     jax_dir = jax.config.jax_compilation_cache_dir
-    return Path(jax_dir) / "swajax-steps" if jax_dir else None
+    if not jax_dir or "://" in str(jax_dir):  # none, or a remote one (gs://...): off
+        return None
+    return Path(jax_dir) / "swajax-steps"
 
 
 class CachedStep:
@@ -99,18 +130,19 @@ class CachedStep:
     def _function(self, args):
         leaves, in_tree = jax.tree.flatten(args)
         avals = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-        signature = (in_tree, avals)
+        settings = _lowering_settings()
+        signature = (in_tree, avals, settings)
         fn = self._by_signature.get(signature)
         if fn is not None:
             return fn
         with self._lock:  # precompile lowers variants from several threads
             fn = self._by_signature.get(signature)
             if fn is None:
-                fn = self._load_or_export(leaves, in_tree, avals)
+                fn = self._load_or_export(leaves, in_tree, avals, settings)
                 self._by_signature[signature] = fn
         return fn
 
-    def _key(self, in_tree, avals) -> str:
+    def _key(self, in_tree, avals, settings) -> str:
         device = jax.devices()[0]
         parts = dict(
             step=self._static_key,
@@ -120,18 +152,17 @@ class CachedStep:
             donate=self._donate,
             platform=device.platform,
             device_kind=device.device_kind,
-            config={k: str(getattr(jax.config, k)) for k in _CONFIG},
-            jax=jax.__version__,
-            jaxlib=importlib.metadata.version("jaxlib"),
+            settings=settings,
+            versions=_versions(),
             source=source_digest(),
         )
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
-    def _load_or_export(self, leaves, in_tree, avals):
+    def _load_or_export(self, leaves, in_tree, avals, settings):
         directory = cache_dir()
-        if directory is None:
+        if directory is None or settings[1] is not None:  # off, or a forced Pallas mode
             return self._jitted
-        path = directory / self._key(in_tree, avals)
+        path = directory / self._key(in_tree, avals, settings)
         try:
             exported = jax.export.deserialize(bytearray(path.with_suffix(".exported").read_bytes()))
             out_tree = pickle.loads(path.with_suffix(".tree").read_bytes())
@@ -141,13 +172,21 @@ class CachedStep:
             try:
                 exported, out_tree = self._export(leaves, in_tree)
                 data = bytes(exported.serialize())
-                _write(path.with_suffix(".tree"), pickle.dumps(out_tree))
-                _write(path.with_suffix(".exported"), data)
             except Exception as e:  # noqa: BLE001 - the ordinary jit still works
                 message = f"swajax step cache: not exported ({e!r:.200}); jit as usual"
                 warnings.warn(message, stacklevel=2)
                 return self._jitted
+            try:
+                _write(path.with_suffix(".tree"), pickle.dumps(out_tree))
+                _write(path.with_suffix(".exported"), data)
+            except OSError as e:  # not stored (disk full, read-only): use it all the same
+                warnings.warn(f"swajax step cache: not stored ({e!r:.200})", stacklevel=2)
         return call_exported(exported, out_tree, self._donate, self._options)
+
+    @property
+    def jitted(self):
+        """The plain jitted step (no export): for lowering to another platform."""
+        return self._jitted
 
     def _export(self, leaves, in_tree, platforms=None):
         out_tree = []
@@ -196,5 +235,8 @@ def _write(path: Path, data: bytes) -> None:
     """Written whole or not at all (a concurrent reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
+from pallas_kernels import _checks
+from swajax import _step_cache
 from swajax._budget import round_quota
 
 
@@ -138,6 +140,14 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         assert [p.unsafe_buffer_pointer() for p in second.state.pools] == before
         assert all(p.is_deleted() for p in pools)  # donated
         assert sorted(tmp_path.glob("*.exported")) == stored
+        # lowering for another platform bypasses the cache (it stores this backend's steps)
+        lowered = second.lower_step(16, decode=False, lowering_platforms=("cuda",))
+        assert "stablehlo" in lowered.as_text()
+        assert sorted(tmp_path.glob("*.exported")) == stored
+        with _checks.force_interpret():  # a forced Pallas mode: not cached either
+            step = second._step_function(False, False, "greedy")
+            args = second._step_args(16)
+            assert _step_cache.resolve(step, args) is step.jitted
         third = swajax.Engine(
             model,
             kv_config(True, max_gpu_total_bytes=None, free_gpu_memory_fraction=0.05),

@@ -435,3 +435,22 @@ def test_cached_prefix_reuse_with_scratch_on_and_off(family):
         np.testing.assert_array_equal(np.asarray(engine.state.free_count), engine.num_slots)
     for key in logits[False]:
         np.testing.assert_allclose(logits[True][key], logits[False][key], rtol=1e-5, atol=1e-5)
+
+
+def test_shared_page_table_mode_generates_dense_greedy_tokens():
+    """page_table_mode="shared" (one table per pool, rebuilt every step, none carried between
+    steps): several prefill and decode steps give the dense forward's greedy tokens."""
+    model = make_model("gemma3")
+    prompts = prompts_of([30, 9, 21], seed=4)
+    engine = swajax.Engine(
+        model,
+        kv_config(False, page_table_mode="shared"),
+        max_context=128,
+        max_batch=3,
+        prefill_chunk_size=16,
+        max_num_tokens=48,
+        implementation="reference",
+    )
+    assert engine.layout.page_table_mode == "shared"
+    out, stats = engine.run(prompts, 5)
+    assert out == dense_greedy(model, prompts, 5) and stats.steps > 2
