@@ -23,7 +23,7 @@ import tempfile
 import time
 
 
-def child(preset: str) -> dict:
+def child(preset: str, implementation: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -52,7 +52,7 @@ def child(preset: str) -> dict:
         max_context=1024,
         max_batch=4,
         max_num_tokens=1024,
-        implementation="pallas",
+        implementation=implementation,
     )
     pools = [p.unsafe_buffer_pointer() for p in engine.state.pools]
     first = []
@@ -74,14 +74,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="gemma4_e2b")
     p.add_argument("--child", action="store_true")
+    p.add_argument("--implementation", default="pallas", help="reference: a CPU smoke run")
     p.add_argument("--out", default="/tmp/probe_step_cache.json")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.preset)))
+        print(json.dumps(child(args.preset, args.implementation)))
         return
     from experiments._meta import run_metadata
 
-    res = run_metadata(preset=args.preset)
+    res = run_metadata(preset=args.preset, implementation=args.implementation)
     res["records"] = []
     with tempfile.TemporaryDirectory() as cache:
         for label, step_cache in (("plain", "0"), ("cold", "1"), ("warm", "1")):
@@ -94,6 +95,7 @@ def main():
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
             env.pop("SWAJAX_STEP_CACHE_DIR", None)
             cmd = [sys.executable, __file__, "--child", "--preset", args.preset]
+            cmd += ["--implementation", args.implementation]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             rec = dict(label=label, step_cache=step_cache == "1")

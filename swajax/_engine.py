@@ -350,10 +350,16 @@ class Engine:
     def _init_pool(self) -> None:
         """Empty pool roots, page tables and previous tokens for `self.layout` (every replica's)."""
         if self.mesh is None:
-            self.state = init_state(self.layout)
+            state = init_state(self.layout)
             # The previous step's page tables, updated in place by the gather (per_layer mode).
-            self.tables = initial_tables(self.layout)
-            self._prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
+            tables = initial_tables(self.layout)
+            prev_tokens = jnp.zeros((self.layout.max_batch,), jnp.int32)
+            # Committed to their device (no copy), as every step's outputs are: a first step
+            # with uncommitted inputs would be a second compile of the same step.
+            device = next(iter(jax.tree.leaves(state)[0].devices()))
+            self.state, self.tables, self._prev_tokens = jax.device_put(
+                (state, tables, prev_tokens), device
+            )
         else:  # every replica's, concatenated along the first axis
             self.state = _sharding.init_state_sharded(self.layout, self.mesh)
             self.tables = _sharding.initial_tables_sharded(self.layout, self.mesh)

@@ -48,6 +48,7 @@ def test_two_engines_of_one_model_trace_once_and_precompile_covers_the_run():
     assert traced == len(first.step_buckets())  # one per step shape, compiled up front
     assert first.run(prompts, 5)[0] == expected
     assert first.trace_count == traced  # the run compiled nothing more
+    assert [f._cache_size() for f in first._resolved.values()] == [1] * len(first._resolved)
     second = _engine(model)
     assert second.layout == first.layout
     assert second.run(prompts, 5)[0] == expected
@@ -128,6 +129,7 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
     try:
         first = _engine(model)
         assert first.run(prompts, 5)[0] == expected
+        assert [f._cache_size() for f in first._resolved.values()] == [1] * len(first._resolved)
         traced = first.trace_count
         stored = sorted(tmp_path.glob("*.exported"))
         assert traced >= 2 and len(stored) == traced
@@ -137,6 +139,8 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         before = [p.unsafe_buffer_pointer() for p in pools]
         assert second.run(prompts, 5)[0] == expected
         assert second.trace_count == 0
+        # one executable per variant: the first step's inputs are committed like the later ones
+        assert [f._cache_size() for f in second._resolved.values()] == [1] * len(second._resolved)
         assert [p.unsafe_buffer_pointer() for p in second.state.pools] == before
         assert all(p.is_deleted() for p in pools)  # donated
         assert sorted(tmp_path.glob("*.exported")) == stored
