@@ -46,6 +46,9 @@ for stage in "$@"; do
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
         --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
         ${PROBE_DUMP_HLO:+--dump-hlo} --out "$OUT/probe_ledger.json" ;;
+    step-cache)  # the step cache on the GPU: plain / cold / warm processes, same tokens
+      run step-cache "${STAGE_LIMIT_step_cache:-300}" python3 experiments/probe_step_cache.py \
+        --preset "${PROBE_PRESET:-gemma4_e2b}" --out "$OUT/step_cache_h200.json" ;;
     cold)
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py --decode \
         --out "$OUT/cold_start_h200.json" ;;
