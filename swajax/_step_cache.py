@@ -10,9 +10,11 @@ thin jit (the same donation and compiler options), whose lowering only embeds th
 module; the compiled executable then comes from the compilation cache as before. A step found
 here is not traced (`swajax._runner.trace_count` does not move).
 
-Where: `$SWAJAX_STEP_CACHE_DIR`, else `swajax-steps/` inside JAX's compilation cache directory
-when one is set (swajax turns that cache on by default: `swajax._compilation_cache`); off
-otherwise, or with `SWAJAX_STEP_CACHE=0`. Not used with a mesh.
+On with `SWAJAX_STEP_CACHE=1` (off by default until its run on the H200 has confirmed that
+exported steps keep their pool roots in place there as they do on the CPU). Where:
+`$SWAJAX_STEP_CACHE_DIR`, else `swajax-steps/` inside JAX's compilation cache directory (swajax
+turns that cache on by default: `swajax._compilation_cache`); off without one. Not used with a
+mesh.
 
 Key: the step's static arguments (a digest of the model's GraphDef, the layout, decode,
 implementation, sampling mode, logits), the arguments' tree, shapes and dtypes, the compiler
@@ -23,7 +25,7 @@ forced Pallas mode (`pallas_kernels._checks.force_interpret` / `force_compiled`)
 not used. Model code outside those packages (a user's own modules) is not in the key. A file
 that cannot be read is exported again; a step that cannot be exported runs on the ordinary jit
 path. Code patched at run time (monkeypatching a kernel or the model in a session) is
-invisible to the key: turn the cache off (`SWAJAX_STEP_CACHE=0`, as the test suite does) while
+invisible to the key: keep the cache off (`SWAJAX_STEP_CACHE=0`, as the test suite does) while
 doing that. The directory is trusted like JAX's own cache (the outputs' tree is a pickle);
 nothing is evicted (a variant is 0.3-0.7 MiB).
 """
@@ -90,8 +92,8 @@ def source_digest() -> str:
 
 
 def cache_dir() -> Path | None:
-    """The directory in use, or None (cache off)."""
-    if os.environ.get("SWAJAX_STEP_CACHE", "1") == "0":
+    """The directory in use, or None (cache off: the default until `SWAJAX_STEP_CACHE=1`)."""
+    if os.environ.get("SWAJAX_STEP_CACHE", "0") != "1":
         return None
     if os.environ.get("SWAJAX_STEP_CACHE_DIR"):
         return Path(os.environ["SWAJAX_STEP_CACHE_DIR"])
