@@ -91,8 +91,8 @@ def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) 
 def cold_start(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
     """Fresh processes, two per cache setting, each pair on an empty cache directory: with the
     step cache (`SWAJAX_STEP_CACHE=1`; `swajax._step_cache`: a warm process neither traces nor
-    lowers its steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's compilation
-    cache only, steps traced and lowered again) `cold_no_step_cache_s` then
+    lowers its steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's
+    compilation cache only, steps traced and lowered again) `cold_no_step_cache_s` then
     `warm_compilation_cache_only_s`. The two settings compile different modules (the step cache
     calls an exported step), so each fills its own directory."""
     rec = dict(kind="cold_start", preset=preset, precompile=precompile, full_depth=full_depth)
