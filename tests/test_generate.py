@@ -261,23 +261,39 @@ def test_pool_too_small_for_one_sequence_raises():
     "implementation, kv_dtype",
     [("reference", jnp.float32), pytest.param("pallas", jnp.bfloat16, marks=pytest.mark.gpu)],
 )
-def test_compiled_step_updates_pool_roots_in_place(implementation, kv_dtype):
+@pytest.mark.parametrize("step_cache", [False, True], ids=["jit", "step_cache"])
+def test_compiled_step_updates_pool_roots_in_place(
+    implementation, kv_dtype, step_cache, tmp_path, monkeypatch
+):
     """The step donates the pool state: its HLO aliases every pool root and copies none, also
-    with the layers under `lax.scan` (the pools are the scan's carry) and the Pallas kernels
-    writing them."""
+    with the layers under `lax.scan` (the pools are the scan's carry), the Pallas kernels
+    writing them, and the step read back from the step cache (exported by one engine, loaded
+    by the next, as in a new process)."""
     model = make_model("gemma4")
     if implementation == "pallas":  # the kernels' head dims
         config = tiny_gemma4(head_dim=128, global_head_dim=256, hidden_size=128)
         model = gemma.Transformer(config, rngs=nnx.Rngs(3), dtype=jnp.float32)
     assert any(run.scanned for run in model.layer_runs)
-    engine = swajax.Engine(
-        model,
-        kv_config(True, max_gpu_total_bytes=32 << 20, dtype=kv_dtype),
-        max_context=512,
-        max_batch=2,
-        prefill_chunk_size=32,
-        implementation=implementation,
-    )
+
+    def make_engine():
+        return swajax.Engine(
+            model,
+            kv_config(True, max_gpu_total_bytes=32 << 20, dtype=kv_dtype),
+            max_context=512,
+            max_batch=2,
+            prefill_chunk_size=32,
+            implementation=implementation,
+        )
+
+    swajax._runner.step_function.cache_clear()
+    if step_cache:
+        monkeypatch.setenv("SWAJAX_STEP_CACHE", "1")
+        monkeypatch.setenv("SWAJAX_STEP_CACHE_DIR", str(tmp_path))
+        for num_tokens, decode in ((64, False), (8, True)):  # exported and stored
+            make_engine().lower_step(num_tokens, decode=decode)
+        assert len(list(tmp_path.glob("*.exported"))) == 2
+        swajax._runner.step_function.cache_clear()
+    engine = make_engine()
     pools = engine.state.pools
     dtype = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}
     root_shapes = [f"{dtype[p.dtype]}[{','.join(map(str, p.shape))}]" for p in pools]
@@ -290,9 +306,12 @@ def test_compiled_step_updates_pool_roots_in_place(implementation, kv_dtype):
         ]
         assert not copies, copies
         assert "input_output_alias" in hlo
+    if step_cache:
+        assert engine.trace_count == 0  # both steps above came from the cache
     before = [p.unsafe_buffer_pointer() for p in pools]
     engine.run([[1, 2, 3, 4, 5]], 2)
     assert [p.unsafe_buffer_pointer() for p in engine.state.pools] == before
+    swajax._runner.step_function.cache_clear()
 
 
 def test_fp8_kv_within_tolerance_of_float32():
