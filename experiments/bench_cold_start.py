@@ -143,7 +143,6 @@ def lowering_record(preset: str) -> dict:
     import gemma
     import swajax
     from pallas_kernels import _checks
-    from swajax import _step_cache
 
     config = gemma.configs.small_preset(preset, num_layers=gemma.configs.preset(preset).num_layers)
     model = gemma.Transformer(
@@ -164,16 +163,15 @@ def lowering_record(preset: str) -> dict:
         args = engine._step_args(num_tokens)
         with _checks.force_compiled():
             t0 = time.perf_counter()
-            plain = step._jitted.trace(*args).lower(lowering_platforms=("cuda",))
+            plain = step.jitted.trace(*args).lower(lowering_platforms=("cuda",))
             plain_s = time.perf_counter() - t0
-            leaves, in_tree = jax.tree.flatten(args)
             t0 = time.perf_counter()
-            exported, out_tree = step._export(leaves, in_tree, platforms=("cuda",))
+            exported, out_tree = step.export(*args, platforms=("cuda",))
             data = bytes(exported.serialize())
             export_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             loaded = jax.export.deserialize(bytearray(data))
-            fn = _step_cache.call_exported(loaded, out_tree, (1, 2), step._options)
+            fn = step.call(loaded, out_tree)
             cached = fn.trace(*args).lower(lowering_platforms=("cuda",))
             cached_s = time.perf_counter() - t0
         rec["variants"].append(

@@ -183,12 +183,21 @@ class CachedStep:
                 _write(path.with_suffix(".exported"), data)
             except OSError as e:  # not stored (disk full, read-only): use it all the same
                 warnings.warn(f"swajax step cache: not stored ({e!r:.200})", stacklevel=2)
-        return call_exported(exported, out_tree, self._donate, self._options)
+        return self.call(exported, out_tree)
 
     @property
     def jitted(self):
         """The plain jitted step (no export): for lowering to another platform."""
         return self._jitted
+
+    def export(self, *args, platforms=None):
+        """(exported step, tree of its outputs) for arguments shaped like `args`, not stored."""
+        leaves, in_tree = jax.tree.flatten(args)
+        return self._export(leaves, in_tree, platforms)
+
+    def call(self, exported, out_tree):
+        """The jit that calls an exported step with this step's donation and options."""
+        return call_exported(exported, out_tree, self._donate, self._options)
 
     def _export(self, leaves, in_tree, platforms=None):
         out_tree = []
