@@ -595,7 +595,7 @@ def verify_cells(model, params: Params, prompts, outputs_of: dict, records, pres
                     f"{check['checked']} checked part at a near tie (max rel gap "
                     f"{check['max_rel_gap']:.2e}, threshold {NEAR_TIE})"
                     if "error" not in check
-                    else "check ERROR " + check["error"].strip().splitlines()[-1][:160]
+                    else "check ERROR " + _last_line(check["error"])
                 ),
                 flush=True,
             )
@@ -770,14 +770,19 @@ def format_table(records: list[dict], comp: dict) -> str:
         if "error" in r:
             lines.append(
                 f"ERROR {r['preset']} {r['setup']} scratch={r['scratch']}: "
-                + (r["error"].strip().splitlines()[-1][:160])
+                + _last_line(r["error"])
             )
         elif "error" in r.get("predicted", {}):
             lines.append(
                 f"(predicted) ERROR {r['preset']} {r['setup']} scratch={r['scratch']}: "
-                + (r["predicted"]["error"].strip().splitlines()[-1][:160])
+                + _last_line(r["predicted"]["error"])
             )
     return "\n".join(lines)
+
+
+def _last_line(error: str, n: int = 160) -> str:
+    """The last line of a recorded traceback (the exception), at most n characters."""
+    return error.strip().splitlines()[-1][:n]
 
 
 def _get(r, key):
@@ -987,7 +992,7 @@ def main(argv=None) -> dict:
                     f"{pr['est_seconds']:.0f} s ({100 * pr['est_prefill_share']:.0f} % in "
                     f"prefill steps) {pr['est_output_tokens_per_s']:.0f} out tok/s"
                     if "error" not in pr
-                    else pr["error"].strip().splitlines()[-1]
+                    else _last_line(pr["error"], 1000)
                 ),
                 flush=True,
             )
@@ -1059,7 +1064,7 @@ def main(argv=None) -> dict:
                     f"slots {rec['num_slots']} peak {rec['peak_slots']}, compile "
                     f"{rec['compile_s']:.0f} s"
                     if "error" not in rec
-                    else "ERROR " + rec["error"].strip().splitlines()[-1][:200]
+                    else "ERROR " + _last_line(rec["error"], 200)
                 ),
                 flush=True,
             )
