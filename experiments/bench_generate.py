@@ -18,8 +18,10 @@ preemptions, and whether the warm tokens equal the cold ones.
 
 Peer (`--only hf`, run in its own process before JAX takes the GPU): Hugging Face transformers
 `generate_batch` (continuous batching, paged attention) on gemma3_1b_2k, configured as its
-documentation recommends (bf16, `attn_implementation` "sdpa_paged", CUDA graphs warmed up, a
-warm-up batch first); every configuration tried is recorded.
+documentation describes (bf16, `attn_implementation` "paged|sdpa", its defaults, then the
+8192-token batch budget swajax's steps use; a warm-up batch first; `HF_CONFIGS`); every
+configuration tried is recorded, with the first failing request's error.
+    PYTHONPATH=. python experiments/bench_generate.py --only hf --quick --out /tmp/hf.json  # CPU
 
 Floor: prefill FLOPs (matmuls + causal/windowed attention) at the bf16 matmul rate plus, per
 decode step, the weights and the KV read at the copy bandwidth, both measured in the run
@@ -268,15 +270,46 @@ def run_swajax(name, w, quick, records):
 
 
 # %% Hugging Face peer
-def run_hf(w, out_path):
-    """Hugging Face continuous batching on workload w (a separate process)."""
+# Configurations tried in order until one generates every token. transformers 5.17 runs
+# `generate_batch` through the paged variant of the model's attention ("paged|sdpa"; flash
+# attention needs its own package). First its defaults (KV blocks and the batch's token
+# budget inferred from free GPU memory, CUDA graphs decided by the library), then the budget
+# of swajax's step (8192 tokens) with the blocks the workload needs: the settings a user tuning
+# throughput would reach for.
+HF_CONFIGS = (
+    dict(attn="paged|sdpa", cb={}),
+    dict(attn="paged|sdpa", cb=dict(max_batch_tokens=8192, num_blocks="workload")),
+    dict(attn="paged|flash_attention_2", cb={}),
+)
+
+
+def hf_generate(model, batch, gen, cb_config):
+    """`generate_batch`, raising the first failed request's error."""
+    # No torch.inference_mode() around generate_batch: its generation loop runs in a thread
+    # of its own, which cannot update tensors made in inference mode.
+    out = model.generate_batch(
+        batch, generation_config=gen, continuous_batching_config=cb_config, progress_bar=False
+    )
+    errors = [o.error for o in out.values() if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    return out
+
+
+def run_hf(name, w, out_path, quick=False):
+    """Hugging Face continuous batching on workload w (a separate process; `quick`: a tiny
+    model on the CPU, to check the call itself)."""
     import torch
     import transformers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import gemma
 
     config = gemma.configs.preset(w["preset"])
+    if quick:
+        config = gemma.configs.small_preset(w["preset"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_config = Gemma3TextConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -293,22 +326,35 @@ def run_hf(w, out_path):
         query_pre_attn_scalar=config.query_pre_attn_scalar,
     )
     prompts = make_prompts(config.vocab_size, w)
+    expected = w["prompts"] * w["output"]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     records = []
-    # transformers 5.17: generate_batch runs the paged variant of the model's attention
-    # implementation ("paged|sdpa" for the default sdpa); flash-attention needs its package.
-    for attn in ("sdpa", "paged|sdpa", "paged|flash_attention_2"):
+    for c in HF_CONFIGS:
+        cb = dict(c["cb"])
+        if cb.get("num_blocks") == "workload":  # every request's blocks at once, plus slack
+            block = cb.get("block_size", 256)
+            per_request = -(-(w["input"] + w["output"]) // block)
+            cb["num_blocks"] = 2 * w["prompts"] * per_request
+        if quick and not cb:  # no GPU memory to infer the sizes from
+            cb = dict(max_batch_tokens=256, num_blocks=64, block_size=32)
         rec = dict(
             system="hf_transformers",
-            workload="gemma3_1b_2k",
+            workload=name,
             preset=w["preset"],
-            attn_implementation=attn,
+            attn_implementation=c["attn"],
+            continuous_batching_config=cb,
+            device=device,
             transformers=transformers.__version__,
             torch=torch.__version__,
         )
         try:
             torch.manual_seed(0)
-            model = Gemma3ForCausalLM._from_config(hf_config, attn_implementation=attn)
-            model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+            model = Gemma3ForCausalLM._from_config(hf_config, attn_implementation=c["attn"])
+            model = model.to(device=device, dtype=torch.bfloat16).eval()
             gen = GenerationConfig(
                 max_new_tokens=w["output"],
                 min_new_tokens=w["output"],
@@ -316,16 +362,16 @@ def run_hf(w, out_path):
                 eos_token_id=None,
                 pad_token_id=0,
             )
-            # No torch.inference_mode() around generate_batch: its generation loop runs in a
-            # thread of its own, which cannot update tensors made in inference mode here.
-            model.generate_batch(prompts[:2], generation_config=gen, progress_bar=False)
-            torch.cuda.synchronize()
+            cb_config = ContinuousBatchingConfig(**cb)
+
+            hf_generate(model, prompts[:2], gen, cb_config)  # warm-up: CUDA graphs, allocator
+            sync()
             t0 = time.perf_counter()
-            out = model.generate_batch(prompts, generation_config=gen, progress_bar=False)
-            torch.cuda.synchronize()
+            out = hf_generate(model, prompts, gen, cb_config)
+            sync()
             seconds = time.perf_counter() - t0
             lengths = [len(o.generated_tokens) for o in out.values()]
-            if sum(lengths) != w["prompts"] * w["output"]:
+            if sum(lengths) != expected:
                 raise RuntimeError(
                     f"generate_batch returned {sum(lengths)} tokens for {len(out)} requests, "
                     f"expected {w['prompts']} x {w['output']}"
@@ -338,13 +384,16 @@ def run_hf(w, out_path):
             )
             records.append(rec)
             del model
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
             break
         except Exception:  # noqa: BLE001
             rec["error"] = traceback.format_exc()[-1500:]
             records.append(rec)
+            print(rec["error"], file=sys.stderr)
     with open(out_path, "w") as f:
         json.dump(records, f, indent=1, default=str)
+    return records
 
 
 # %% main
@@ -356,8 +405,9 @@ def main():
     p.add_argument("--no-hf", action="store_true")
     args = p.parse_args()
     workloads = QUICK if args.quick else WORKLOADS
-    if args.only == "hf":
-        run_hf(WORKLOADS["gemma3_1b_2k"], args.out)
+    if args.only == "hf":  # (with --quick: a tiny model on the CPU)
+        name = "tiny_gemma3" if args.quick else "gemma3_1b_2k"
+        run_hf(name, workloads[name], args.out, quick=args.quick)
         return
     matmul, copy = (None, None) if args.quick else torch_ceilings()
     hf = []
