@@ -174,7 +174,34 @@ def make_prompts(vocab, w, seed=0):
     return [rng.integers(1, vocab, size=w["input"]).tolist() for _ in range(w["prompts"])]
 
 
-def run_swajax(name, w, quick, records):
+def profile_run(engine, prompts, output) -> dict:
+    """One more warm run under the profiler: the device's busy time (the union of its kernels'
+    intervals) against the run's wall time, and the kernels with the most time. A run whose
+    busy time is far below its wall time waits on the host (scheduling, dispatch)."""
+    from experiments._profile import device_kernel_times, top_kernels
+
+    holder = {}
+
+    def call():
+        holder["t0"] = time.perf_counter()
+        out, stats = engine.run(prompts, output)
+        holder["wall"], holder["stats"] = time.perf_counter() - holder["t0"], stats
+        return out
+
+    times = device_kernel_times(call, iters=1)
+    stats = holder["stats"]
+    return dict(
+        wall_s=holder["wall"],
+        steps=stats.steps,
+        device_busy_s=times["busy_us"] / 1e6,
+        device_span_s=times["span_us"] / 1e6,
+        busy_share=times["busy_us"] / 1e6 / holder["wall"],
+        itl_s=stats.itl,
+        top_kernels=top_kernels(times, 20),
+    )
+
+
+def run_swajax(name, w, quick, records, profile=False):
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -255,6 +282,8 @@ def run_swajax(name, w, quick, records):
                 outputs_digest=hash(tuple(map(tuple, warm))) & 0xFFFFFFFF,
             )
             rec["_tokens"] = warm
+            if profile:
+                rec["profile"] = profile_run(engine, prompts, w["output"])
             del engine
         except Exception:  # noqa: BLE001
             rec["error"] = traceback.format_exc()[-1500:]
@@ -403,6 +432,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
     p.add_argument("--only", default="", help="comma-separated workloads, or 'hf'")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument(
+        "--profile",
+        default="gemma3_1b_2k",
+        help="comma-separated workloads whose warm run is repeated under the profiler",
+    )
     args = p.parse_args()
     workloads = QUICK if args.quick else WORKLOADS
     if args.only == "hf":  # (with --quick: a tiny model on the CPU)
@@ -426,7 +460,8 @@ def main():
     names = [n for n in workloads if not args.only or n in args.only.split(",")]
     for name in names:
         w = workloads[name]
-        config, weight_bytes = run_swajax(name, w, args.quick, res["records"])
+        profile = name in args.profile.split(",")
+        config, weight_bytes = run_swajax(name, w, args.quick, res["records"], profile)
         if matmul and copy:
             res["floors"][name] = workload_floor(config, w, weight_bytes, 2, matmul, copy)
         ours = [r for r in res["records"] if r.get("workload") == name and r["system"] == "swajax"]

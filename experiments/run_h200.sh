@@ -38,10 +38,12 @@ for stage in "$@"; do
       run generate "${STAGE_LIMIT_generate:-500}" python3 experiments/bench_generate.py \
         --out "$OUT/generate_h200.json" ;;
     scratch)  # one model per call: PRESETS=gemma4_e2b [SETUPS=cap_only] [REQUESTS=32]
+      # [SCRATCH_NAME=swa_scratch_invariant_h200 SCRATCH_ARGS="--batch-invariant --verify 0"]
+      name=${SCRATCH_NAME:-swa_scratch_h200}
       run scratch "${STAGE_LIMIT_scratch:-590}" python3 experiments/swa_scratch_throughput.py \
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
-        ${REQUESTS:+--requests $REQUESTS} --out "$OUT/swa_scratch_h200.json" \
-        --merge experiments/results/swa_scratch_h200.json ;;
+        ${REQUESTS:+--requests $REQUESTS} ${SCRATCH_ARGS:-} --out "$OUT/$name.json" \
+        --merge "experiments/results/$name.json" ;;
     probe-ledger)  # PROBE_PRESET=gemma4_31b PROBE_VARIANTS=pallas,ref-attention
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
         --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
