@@ -100,7 +100,9 @@ def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) 
     )
 
 
-def cold_start(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
+def cold_start(
+    preset: str, quick: bool, precompile: bool, full_depth: bool = False, step_cache="both"
+) -> dict:
     """Fresh processes, two per cache setting, each pair on an empty cache directory: with the
     step cache (`SWAJAX_STEP_CACHE=1`; `swajax._step_cache`: a warm process neither traces nor
     lowers its steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's
@@ -116,13 +118,15 @@ def cold_start(preset: str, quick: bool, precompile: bool, full_depth: bool = Fa
         ("1", ("cold", "warm_cache")),
         ("0", ("cold_no_step_cache", "warm_compilation_cache_only")),
     )
-    for step_cache, labels in settings:
+    for setting, labels in settings:
+        if step_cache != "both" and setting != {"on": "1", "off": "0"}[step_cache]:
+            continue
         with tempfile.TemporaryDirectory() as cache:
             env = dict(
                 os.environ,
                 SWAJAX_COMPILATION_CACHE_DIR=cache,
                 SWAJAX_COMPILATION_CACHE="1",
-                SWAJAX_STEP_CACHE=step_cache,
+                SWAJAX_STEP_CACHE=setting,
             )
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
             env.pop("SWAJAX_STEP_CACHE_DIR", None)
@@ -285,6 +289,9 @@ def main():
     p.add_argument("--precompile", action="store_true")
     p.add_argument("--full-depth", action="store_true", help="--quick with the presets' depth")
     p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument(
+        "--step-cache", default="both", choices=("both", "on", "off"), help="which process pairs"
+    )
     p.add_argument("--decode", action="store_true", help="also the Gemma 3 4B decode step")
     p.add_argument("--both", action="store_true", help="cold start with and without precompile")
     p.add_argument(
@@ -324,7 +331,9 @@ def main():
     res["records"] = []
     for preset in filter(None, args.presets.split(",")):
         for pre in (False, True) if args.both else (args.precompile,):
-            res["records"].append(cold_start(preset, args.quick, pre, args.full_depth))
+            res["records"].append(
+                cold_start(preset, args.quick, pre, args.full_depth, args.step_cache)
+            )
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
     if args.decode:

@@ -127,6 +127,10 @@ class Params:
     compile_s: float = 45.0  # per step variant, for the time estimate
     cell_limit_s: float = 300.0  # a cell's timed run stops here (recorded as an error); 0: none
     verify: int = 16  # per ON/OFF pair, the differing requests whose divergence is checked
+    # `Engine(batch_invariant=True)`: decode and prefill rows never share a step and every
+    # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
+    # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
+    batch_invariant: bool = False
     quick: bool = False
 
     @property
@@ -134,6 +138,8 @@ class Params:
         """What two cells must share to be compared."""
         keys = ("requests", "input_mean", "output_len", "rows", "cap_seqs", "seed", "page_size")
         keys += ("max_num_tokens", "admission_headroom")
+        # (recorded only when set, so that records of runs before the option stay comparable)
+        keys += ("batch_invariant",) if self.batch_invariant else ()
         return {k: getattr(self, k) for k in keys}
 
 
@@ -320,6 +326,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         max_num_tokens=params.max_num_tokens,
         chunk=layout.max_chunk,
         headroom=default_headroom(num_slots, params.admission_headroom),
+        mixed_steps=not params.batch_invariant,
     )
     for i, p in enumerate(prompts):
         # what `Engine.check_fits` refuses (the scheduler would preempt it forever)
@@ -447,6 +454,7 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
         max_num_tokens=params.max_num_tokens,
         implementation=params.implementation,
         admission_headroom=params.admission_headroom,
+        batch_invariant=params.batch_invariant,
     )
     if setup == "adaptive":
         engine.adapt_pool([len(p) for p in prompts], params.output_len)
@@ -876,6 +884,12 @@ def parse(argv=None):
     p.add_argument("--merge", type=pathlib.Path, default=None, help="JSON whose records to keep")
     p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="Engine(batch_invariant=True) in every cell (ON/OFF tokens independent of batching)",
+    )
     p.add_argument("--simulate", action="store_true", help="predictions only, no model")
     p.add_argument(
         "--plan",
@@ -902,6 +916,7 @@ def parse(argv=None):
             "compile_s",
             "cell_limit_s",
             "verify",
+            "batch_invariant",
         )
         if getattr(args, k) is not None
     }

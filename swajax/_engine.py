@@ -222,6 +222,18 @@ class Engine:
         quota of `kv_cache_config` is then per device, and each replica's pool is sized from
         the per-device bytes of a slot (`KVLayout.tp`). ValueError for a mesh without "model"
         or a tp that cannot split the query or KV heads evenly.
+      batch_invariant: compute each row the same way whatever else runs in its step, so that
+        greedy tokens do not depend on the schedule (e.g. on how many rows the pool admits, as
+        with scratch reuse on or off). A step then holds decode rows only or prefill rows only
+        (never a decoding row inside a prefill step; the two kinds alternate while both wait,
+        see `swajax._scheduler`), and every step with prefill rows has the token axis
+        max_num_tokens (min_prefill_bucket must be left unset or equal it: ValueError
+        otherwise). Cost: decode rows wait while a prefill step runs, and a prefill step is
+        padded to max_num_tokens. It holds for runs without preemption: a preempted request
+        is recomputed from prompt + generated tokens in prefill steps, so its later tokens
+        may differ (`RunStats.preemptions` counts preemptions). ValueError with a mesh of
+        several "data" replicas (one step runs every replica's plan, and each replica's
+        scheduler picks its own step kind).
 
     With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
     whenever the engine is idle and the policy says so (see the module docstring); until the
@@ -248,6 +260,7 @@ class Engine:
         admission_headroom: float = 0.01,
         precompile: bool = False,
         mesh=None,
+        batch_invariant: bool = False,
     ):
         enable_default_cache()
         config = model.config
@@ -273,6 +286,14 @@ class Engine:
         min_bucket = _validate.positive_int("min_prefill_bucket", min_bucket)
         if not isinstance(admission_headroom, float | int) or not 0 <= admission_headroom < 1:
             raise ValueError(f"admission_headroom must be in [0, 1), got {admission_headroom!r}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and min_bucket != max_num_tokens:
+            raise ValueError(
+                f"batch_invariant=True runs every prefill step at max_num_tokens={max_num_tokens} "
+                f"tokens, so min_prefill_bucket must equal it (or be left unset), got "
+                f"min_prefill_bucket={min_bucket}"
+            )
         scratch = resolve_scratch_policy(
             cfg,
             is_multimodal=getattr(config, "is_multimodal", False),
@@ -280,6 +301,12 @@ class Engine:
         )
         self.mesh = None if mesh is None else _sharding.serving_mesh(mesh)
         self.num_replicas, tp = (1, 1) if mesh is None else _sharding.mesh_sizes(self.mesh)
+        if batch_invariant and self.num_replicas > 1:
+            raise ValueError(
+                f"batch_invariant=True needs one data-parallel replica, got {self.num_replicas}: "
+                "one step runs every replica's plan, and the replicas' schedulers pick their "
+                "step kinds (decode or prefill) independently"
+            )
         param_specs = None
         if self.mesh is not None:
             if not callable(getattr(model, "partition_specs", None)):
@@ -308,6 +335,7 @@ class Engine:
         self.max_num_tokens = max_num_tokens
         self.chunk = chunk
         self.min_prefill_bucket = min(min_bucket, max_num_tokens)
+        self.batch_invariant = batch_invariant
         self.vocab_size = config.vocab_size
         self.implementation = implementation
         self.max_shares = min(16, max_batch + prefix_cache_rows) if prefix_cache_rows else 0
@@ -337,6 +365,7 @@ class Engine:
                 chunk=self.chunk,
                 headroom=self.headroom,
                 max_shares=self.max_shares,
+                mixed_steps=not self.batch_invariant,
             )
             for _ in range(self.num_replicas)
         ]

@@ -31,6 +31,16 @@ Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` t
 Allocation is on demand: a request holds what the transforms hold after each step, never a
 reserved lifetime peak.
 
+Without mixed steps (`mixed_steps=False`, for `Engine(batch_invariant=True)`) a step holds
+decode rows only or prefill rows only, so that a row's computation does not depend on what else
+runs (a prefill row feeds prompt tokens: a running prefill's next chunk, or an admitted
+request's first step). The step right after a prefill step is a decode step if a request is in
+decode; any other step is a prefill step (2 for the running prefills only, then 3), or a decode
+step if no prefill row can run. The two kinds thus alternate while both wait: a request in
+decode waits for one prefill step at most. The decode rows left out of a prefill step keep
+their rows and slots; the step leaves free the slots their next tokens need, as if they ran in
+it, and its prefill rows never preempt them to make room.
+
 Pipelining: a step may be planned before the tokens of the previous one are read. A decode
 row then feeds the token its row sampled in the previous step (`StepPlan.tokens` gives None
 for it: the runner takes it from the previous step's output on the device). A request that
@@ -103,6 +113,9 @@ class StepPlan:
     free_b: list[int] = dataclasses.field(default_factory=list)
     shares_b: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     used: tuple[int, ...] = ()  # slots held per group after the reserve (the step's peak)
+    # Planned as a prefill step without decode rows (`Scheduler(mixed_steps=False)`): it runs
+    # as one even when each of its rows feeds a single token.
+    prefill_step: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +123,7 @@ class StepPlan:
 
     @property
     def decode_only(self) -> bool:
-        return all(n <= 1 for n in self.new_tokens.values())
+        return not self.prefill_step and all(n <= 1 for n in self.new_tokens.values())
 
 
 @dataclasses.dataclass
@@ -133,6 +146,8 @@ class Scheduler:
       headroom: slots per group an admission must leave free (see the module docstring).
       max_shares: most shares in shares_a and in shares_b of one step (the compiled step's
         static capacity).
+      mixed_steps: whether decode rows and prefill rows may share a step (False: each step
+        holds one kind; see the module docstring).
     """
 
     def __init__(
@@ -144,6 +159,7 @@ class Scheduler:
         chunk: int,
         headroom: Sequence[int],
         max_shares: int = 0,
+        mixed_steps: bool = True,
     ):
         layout = ledger.layout
         if not 1 <= serving_rows <= layout.max_batch:
@@ -155,6 +171,7 @@ class Scheduler:
         self.chunk = chunk
         self.headroom = tuple(headroom)
         self.max_shares = max_shares
+        self.mixed_steps = mixed_steps
         cache_rows = range(serving_rows, layout.max_batch)
         self.cache = (
             PrefixCache(layout.page_size, cache_rows) if cache_rows and max_shares else None
@@ -167,6 +184,7 @@ class Scheduler:
         self._release: list[Request] = []  # finished requests whose rows go back next step
         self._free_next: list[int] = []  # rows freed in the ledger, on the device next step
         self._steps = 0
+        self._prefill_last = False  # whether the last step planned was a prefill step
 
     # ------------------------------------------------------------------ queue
 
@@ -307,7 +325,7 @@ class Scheduler:
         total = [0] * len(self.ledger.free)
         for r in self.running:
             n = plan.new_tokens.get(r.row, 0)
-            if r.fed + n >= r.length:  # in decode, or its prefill ends this step
+            if r.fed + max(n, 1) >= r.length:  # in decode (run or not), or its prefill ends now
                 continue
             held = self.ledger.row_slots(r.row)
             step = self._need(r.row, n) if n else (0,) * len(total)
@@ -453,30 +471,49 @@ class Scheduler:
             plan.new_tokens[r.row] = n
             budget -= n
 
+        def run(rows: list[Request], kept: Sequence[Request] = ()) -> None:
+            """Schedules running rows in order; a row that does not fit makes room by evicting,
+            then by preempting the newest running request neither scheduled nor in `kept`."""
+            for r in rows:
+                if r not in self.running or budget == 0:
+                    continue
+                want = min(self._step_tokens(r), budget)
+                while True:
+                    n = self._largest_fit(r.row, want, planned)
+                    if n > 0:
+                        take(r, n)
+                        break
+                    if self._evict(plan, used_sources):
+                        continue
+                    newest = next(
+                        x
+                        for x in reversed(self.running)
+                        if x.row not in plan.new_tokens and x not in kept
+                    )
+                    self._preempt(newest, plan)
+                    if newest is r:
+                        break
+
         # 1-2. running requests: decode first, then prefill chunks; make room by preempting
         decode = [r for r in self.running if r.length - r.fed == 1]
         prefill = [r for r in self.running if r.length - r.fed > 1]
-        for r in decode + prefill:
-            if r not in self.running or budget == 0:
-                continue
-            want = min(self._step_tokens(r), budget)
-            while True:
-                n = self._largest_fit(r.row, want, planned)
-                if n > 0:
-                    take(r, n)
-                    break
-                if self._evict(plan, used_sources):
-                    continue
-                newest = next(x for x in reversed(self.running) if x.row not in plan.new_tokens)
-                self._preempt(newest, plan)
-                if newest is r:
-                    break
+        prefill_step = not self.mixed_steps and not (decode and self._prefill_last)
+        if self.mixed_steps:
+            run(decode + prefill)
+        elif prefill_step:  # the decode rows wait, the slots of their next token kept free
+            for r in decode:
+                for g, x in enumerate(self._need(r.row, 1)):
+                    planned[g] += x
+            run(prefill, kept=decode)
+        else:
+            run(decode)
 
         # 3. admission
         commitments = self._prefill_commitments(plan)
         free_rows = [b for b in range(self.serving_rows) if self.rows[b] is None]
         blocked_rows = set(plan.free_b)  # freed after shares_a: no cached prefix into them
-        while self.waiting and budget > 0 and free_rows:
+        admit = self.mixed_steps or prefill_step
+        while admit and self.waiting and budget > 0 and free_rows:
             r = self.waiting[0]
             if r.pending:  # its last token is still in flight: recompute once it is read
                 break
@@ -524,14 +561,28 @@ class Scheduler:
             take(r, n)
             commitments = self._prefill_commitments(plan)  # later admissions leave it room
 
+        if prefill_step and not plan.new_tokens and decode:  # no prefill row runs: decode
+            prefill_step = False
+            planned[:] = [0] * len(planned)
+            run(decode)
+        plan.prefill_step = prefill_step and bool(plan.new_tokens)
+        self._prefill_last = plan.prefill_step
+
         if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
             return None
-        # boundary parks: a cache row for each prefill that reaches its park_at this step
+        # boundary parks: a cache row for each prefill that reaches its park_at this step, unless
+        # its prefix is parked already (the cache holds one entry per prefix: e.g. a finished
+        # history parked above, or another row's park this step)
         parks = []
         for row, n in plan.new_tokens.items():
             r = self.rows[row]
             if r.park_at and r.fed + n == r.park_at and len(parks) < self.max_shares:
-                target = self._park_target(plan, used_sources, {t for _, t in parks})
+                prefix = r.tokens(0, r.park_at)
+                parked = self.cache.contains(prefix) or any(
+                    other.tokens(0, other.park_at) == prefix for other, _ in parks
+                )
+                taken = {t for _, t in parks}
+                target = None if parked else self._park_target(plan, used_sources, taken)
                 if target is not None:
                     parks.append((r, target))
                 else:

@@ -233,8 +233,18 @@ def resolve(step, args):
     return step.resolve(*args) if isinstance(step, CachedStep) else step
 
 
+def load_kernel_runtimes(exported) -> None:
+    """Mosaic GPU's custom calls find their runtime library through an environment variable
+    that `jax.experimental.mosaic.gpu` sets when it is imported, as lowering a Pallas kernel
+    does. A step loaded from this cache lowers no kernel, so without this import its first
+    run fails ("Symbols not found: mosaic_gpu_launch_kernel")."""
+    if "cuda" in exported.platforms:
+        import jax.experimental.mosaic.gpu  # noqa: F401
+
+
 def call_exported(exported, out_tree, donate_argnums, compiler_options):
     """A jit that calls the exported step on the flattened arguments (same donation)."""
+    load_kernel_runtimes(exported)
 
     def run(*args):
         return jax.tree.unflatten(out_tree, exported.call(*jax.tree.leaves(args)))

@@ -166,3 +166,26 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         assert len(list(tmp_path.glob("*.exported"))) == len(stored) + third.trace_count
     finally:
         swajax._runner.step_function.cache_clear()
+
+
+def test_a_step_loaded_for_the_gpu_imports_the_mosaic_gpu_runtime():
+    """A process that loads its steps from the step cache lowers no Pallas kernel, so nothing
+    else imports `jax.experimental.mosaic.gpu`, which points Mosaic GPU's custom calls at their
+    runtime library (without it the first GPU step fails: "Symbols not found"). A fresh
+    process: swajax alone does not import it, loading a CUDA step does."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import jax, jax.numpy as jnp
+        from swajax import _step_cache
+        spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+        for platform in ("cpu", "cuda"):
+            exported = jax.export.export(jax.jit(lambda x: x + 1), platforms=(platform,))(spec)
+            _step_cache.call_exported(exported, jax.tree.structure(0), (), {})
+            print(platform, "jax.experimental.mosaic.gpu" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["cpu", "False", "cuda", "True"], out

@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from swajax._scheduler import FINISHED, Request, Scheduler
+from swajax._scheduler import FINISHED, Request, Scheduler, StepPlan
 
 PAGE = 4
 
@@ -95,7 +95,7 @@ class ToyLedger:
         return True
 
 
-def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0):
+def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0, mixed_steps=True):
     ledger = ToyLedger(num_slots, rows + cache_rows)
     return Scheduler(
         ledger,
@@ -104,6 +104,7 @@ def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0):
         chunk=chunk,
         headroom=(headroom,),
         max_shares=4 if cache_rows else 0,
+        mixed_steps=mixed_steps,
     )
 
 
@@ -272,6 +273,176 @@ def test_every_request_finishes_and_no_slot_leaks(
         assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
     s.ledger.free_rows(range(rows, rows + cache_rows))  # parked prefixes
     assert s.ledger.free == [slots]
+
+
+# ------------------------------------------------------------------ without mixed steps
+
+
+@dataclasses.dataclass
+class Step:
+    """One planned step: the requests it feeds their one token after the prompt (`decode`),
+    those it feeds prompt tokens (`prefill`), and whether a request was decoding when it was
+    planned (`decoding`)."""
+
+    plan: StepPlan
+    decode: set[int]
+    prefill: set[int]
+    decoding: bool
+
+
+def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
+    """`drive` with requests arriving: arrivals[k] are queued before step k. Returns a `Step`
+    per plan, its rows sorted by what they did when it was planned."""
+    steps, previous, last_arrival = [], None, max(arrivals, default=0)
+    for k in range(max_steps):
+        for r in arrivals.get(k, ()):
+            s.add(r)
+        remaining = {
+            r.id: r.length - r.fed for r in s.running if r.num_generated < r.max_new_tokens
+        }
+        plan = s.schedule() if s.has_work else None
+        if plan is not None:
+            ids = {s.rows[row].id for row in plan.new_tokens}
+            decode = {i for i in ids if remaining.get(i) == 1}
+            steps.append(Step(plan, decode, ids - decode, 1 in remaining.values()))
+        if pipelined and previous is not None:
+            s.on_sampled(previous, {row: 1000 + i for row, (r, i) in previous.samples.items()})
+        if plan is None:
+            if previous is None and not s.has_work and k >= last_arrival:
+                return steps
+            previous = None
+            continue
+        if pipelined:
+            previous = plan
+        else:
+            s.on_sampled(plan, {row: 1000 + i for row, (r, i) in plan.samples.items()})
+    raise AssertionError("the scheduler did not finish")
+
+
+def check_one_kind_per_step(steps):
+    """No step feeds both kinds of rows, the plan says which kind it runs as, and a request in
+    decode never waits for two prefill steps in a row (nor for a step without tokens)."""
+    for i, step in enumerate(steps):
+        assert not (step.decode and step.prefill), (i, step)
+        if step.decode or step.prefill:
+            assert step.plan.decode_only == bool(step.decode), (i, step)
+        if step.decoding:
+            assert step.decode or step.prefill, (i, step)
+            assert not (step.prefill and i > 0 and steps[i - 1].prefill), (i, step)
+
+
+def arriving_requests():
+    """Prompts (prefilled in several 8-token chunks) that arrive while others decode."""
+    return {
+        0: [req(0, 20, 6), req(1, 5, 8)],
+        2: [req(2, 30, 5)],
+        5: [req(3, 9, 8)],
+        9: [req(4, 17, 4), req(5, 3, 3)],
+    }
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_without_mixed_steps_a_step_holds_decode_rows_or_prefill_rows(pipelined):
+    s = make(rows=4, budget=16, chunk=8, mixed_steps=False)
+    steps = drive_steps(s, arriving_requests(), pipelined=pipelined)
+    check_one_kind_per_step(steps)
+    assert any(step.prefill and step.decoding for step in steps)  # both kinds did wait at once
+    for r in s.requests.values():
+        assert r.status == FINISHED and r.output == [1000 + k for k in range(r.max_new_tokens)]
+    assert s.ledger.free == [100]
+    # Mixed steps (the default) on the same requests: a decode row rides in a prefill step.
+    mixed = drive_steps(make(rows=4, budget=16, chunk=8), arriving_requests(), pipelined=pipelined)
+    assert any(step.decode and step.prefill for step in mixed)
+    assert not any(step.plan.prefill_step for step in mixed)
+
+
+def test_without_mixed_steps_requests_wait_for_slots_and_all_finish():
+    """A quota of about two requests at a time: requests wait for slots, preemptions recompute
+    some; every request finishes, no step mixes kinds, every slot comes back."""
+    s = make(num_slots=16, rows=3, budget=16, chunk=8, headroom=1, mixed_steps=False)
+    arrivals = {0: [req(i, n, 12) for i, n in enumerate([22, 30, 14, 26])], 4: [req(4, 18, 5)]}
+    steps = drive_steps(s, arrivals)
+    check_one_kind_per_step(steps)
+    assert len(steps[0].prefill) < 4  # the rest wait for room
+    assert s.counters.preemptions > 0  # decode rows grew into a prefill's slots
+    for r in s.requests.values():
+        assert r.status == FINISHED and r.output == [1000 + k for k in range(r.max_new_tokens)]
+    assert s.ledger.free == [16]
+
+
+def test_a_prefill_step_keeps_free_the_next_slots_of_the_decode_rows():
+    """Request 0 decodes and its 9th token needs a third block; request 1's first chunk needs
+    the 6 blocks left. It waits instead of taking the block request 0 is about to need (the
+    next decode step would preempt it), and request 0 decodes every step meanwhile."""
+    s = make(num_slots=8, rows=2, budget=64, chunk=64, mixed_steps=False)
+    s.add(req(0, 7, 4))
+    for _ in range(2):  # its prefill, then its first decode step: 8 tokens in two blocks
+        plan = s.schedule()
+        s.on_sampled(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
+    assert s.ledger.history[0] == 8 and s.ledger.free == [6]
+    s.add(req(1, 24, 1))
+    plans = drive(s)
+    assert [p.new_tokens for p in plans[:3]] == [{0: 1}, {0: 1}, {0: 24}]
+    assert [p.decode_only for p in plans[:3]] == [True, True, False]
+    assert s.counters.preemptions == 0 and s.ledger.free == [8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=10),
+    new=st.lists(st.integers(1, 12), min_size=10, max_size=10),
+    arrive=st.lists(st.integers(0, 12), min_size=10, max_size=10),
+    budget=st.integers(5, 64),
+    chunk=st.integers(1, 48),
+    slots=st.integers(13, 40),
+    rows=st.integers(1, 5),
+    pipelined=st.booleans(),
+    cache_rows=st.sampled_from([0, 0, 2]),
+)
+def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
+    lengths, new, arrive, budget, chunk, slots, rows, pipelined, cache_rows
+):
+    s = make(
+        num_slots=slots,
+        rows=rows,
+        budget=budget,
+        chunk=chunk,
+        cache_rows=cache_rows,
+        mixed_steps=False,
+    )
+    arrivals = {}
+    for i, n in enumerate(lengths):
+        arrivals.setdefault(arrive[i], []).append(req(i, n, new[i]))
+    check_one_kind_per_step(drive_steps(s, arrivals, pipelined=pipelined))
+    for i in range(len(lengths)):
+        r = s.requests[i]
+        assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
+    s.ledger.free_rows(range(rows, rows + cache_rows))  # parked prefixes
+    assert s.ledger.free == [slots]
+
+
+def test_a_prefix_is_parked_once():
+    """Request 0's finished history (20 tokens) is parked in the step where request 1's prefill
+    reaches its boundary park at the same 20 tokens (which request 2 shares): the prefix is
+    parked once, so no cache row holds blocks that no entry accounts for."""
+    s = make(rows=2, budget=64, chunk=8, cache_rows=2)
+    prefix = tuple(range(1, 21))
+    s.add(Request(id=0, prompt=prefix, max_new_tokens=1))
+    steps = drive_steps(
+        s,
+        {
+            1: [
+                Request(id=1, prompt=prefix + tuple(range(21, 31)), max_new_tokens=2),
+                Request(id=2, prompt=prefix + (99, 98, 97), max_new_tokens=2),
+            ]
+        },
+    )
+    both = steps[3].plan
+    assert both.shares_a == [(0, 2, 20)] and both.new_tokens[1] == 4 and not both.shares_b
+    assert s.counters.prefix_hits == 1 and s.counters.prefix_tokens == 20
+    assert all(r.status == FINISHED for r in s.requests.values())
+    s.clear_cache()
+    assert s.ledger.free == [100]
 
 
 def test_serving_rows_validated():
