@@ -35,8 +35,9 @@ for stage in "$@"; do
       run presets "${STAGE_LIMIT_presets:-560}" python3 experiments/bench_presets.py --timeout 240 \
         --out "$OUT/presets_h200.json" ${PRESETS:+--presets $PRESETS} ;;
     generate)
+      # [GENERATE_ARGS="--only gemma3_1b_2k --no-hf"]
       run generate "${STAGE_LIMIT_generate:-500}" python3 experiments/bench_generate.py \
-        --out "$OUT/generate_h200.json" ;;
+        ${GENERATE_ARGS:-} --out "$OUT/generate_h200.json" ;;
     scratch)  # one model per call: PRESETS=gemma4_e2b [SETUPS=cap_only] [REQUESTS=32]
       # [SCRATCH_NAME=swa_scratch_invariant_h200 SCRATCH_ARGS="--batch-invariant --verify 0"]
       name=${SCRATCH_NAME:-swa_scratch_h200}
