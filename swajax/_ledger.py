@@ -14,6 +14,7 @@ Axis names as in `swajax._transforms`: B rows, G pool groups.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
@@ -233,7 +234,8 @@ def row_peak_slots(
     steady: held after the last step's advance; peak: the most held at any step (after a
     reserve, scratch included). Row 0 of a fresh ledger, so the pool is never the limit.
     """
-    ledger = SlotLedger(layout, mode)
+    # one row (a ledger of max_batch rows would advance every empty row at every step)
+    ledger = SlotLedger(dataclasses.replace(layout, max_batch=1), mode)
     ledger.free = [10**12] * len(ledger.free)  # unbounded: this measures one row alone
     peak = [0] * len(ledger.free)
     for n in steps:
