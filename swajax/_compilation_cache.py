@@ -8,7 +8,7 @@ chose otherwise: `$SWAJAX_COMPILATION_CACHE_DIR`, else `$XDG_CACHE_HOME/swajax/j
 
 The compiled steps, Mosaic GPU kernels included, are then read back in a new process instead of
 being compiled again. The step cache (`swajax._step_cache`, a `swajax-steps/` directory inside
-this one, on with `SWAJAX_STEP_CACHE=1`) spares that process tracing and lowering the steps as
+this one, off with `SWAJAX_STEP_CACHE=0`) spares that process tracing and lowering the steps as
 well.
 """
 

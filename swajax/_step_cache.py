@@ -10,8 +10,10 @@ thin jit (the same donation and compiler options), whose lowering only embeds th
 module; the compiled executable then comes from the compilation cache as before. A step found
 here is not traced (`swajax._runner.trace_count` does not move).
 
-On with `SWAJAX_STEP_CACHE=1` (off by default until its run on the H200 has confirmed that
-exported steps keep their pool roots in place there as they do on the CPU). Where:
+On by default; `SWAJAX_STEP_CACHE=0` turns it off. On the H200 an exported step updates its
+pool roots in place as the plain jit does, and a warm process reached its first token in
+2.6-3.0 s against 11.9-14.6 s with the compilation cache alone (`experiments/NOTES.md` v13).
+Where:
 `$SWAJAX_STEP_CACHE_DIR`, else `swajax-steps/` inside JAX's compilation cache directory (swajax
 turns that cache on by default: `swajax._compilation_cache`); off without one. Not used with a
 mesh.
@@ -92,8 +94,8 @@ def source_digest() -> str:
 
 
 def cache_dir() -> Path | None:
-    """The directory in use, or None (cache off: the default until `SWAJAX_STEP_CACHE=1`)."""
-    if os.environ.get("SWAJAX_STEP_CACHE", "0") != "1":
+    """The directory in use, or None (cache off: `SWAJAX_STEP_CACHE=0`)."""
+    if os.environ.get("SWAJAX_STEP_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     if os.environ.get("SWAJAX_STEP_CACHE_DIR"):
         return Path(os.environ["SWAJAX_STEP_CACHE_DIR"])

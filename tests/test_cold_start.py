@@ -189,3 +189,14 @@ def test_a_step_loaded_for_the_gpu_imports_the_mosaic_gpu_runtime():
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["cpu", "False", "cuda", "True"], out
+
+
+def test_step_cache_is_on_by_default_and_off_with_zero(tmp_path, monkeypatch):
+    monkeypatch.delenv("SWAJAX_STEP_CACHE", raising=False)
+    monkeypatch.setenv("SWAJAX_STEP_CACHE_DIR", str(tmp_path))
+    assert _step_cache.cache_dir() == tmp_path
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("SWAJAX_STEP_CACHE", off)
+        assert _step_cache.cache_dir() is None
+    monkeypatch.setenv("SWAJAX_STEP_CACHE", "1")
+    assert _step_cache.cache_dir() == tmp_path
