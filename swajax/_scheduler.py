@@ -39,7 +39,11 @@ decode; any other step is a prefill step (2 for the running prefills only, then 
 step if no prefill row can run. The two kinds thus alternate while both wait: a request in
 decode waits for one prefill step at most. The decode rows left out of a prefill step keep
 their rows and slots; the step leaves free the slots their next tokens need, as if they ran in
-it, and its prefill rows never preempt them to make room.
+it, and its prefill rows never preempt them to make room. A prompt's chunks are whole: each
+starts at a multiple of the chunk (at most the budget) and is never cut to the budget left or
+the free slots, so where they fall does not depend on the other rows (a row whose chunk does
+not fit waits for the next prefill step, or makes room by preemption as usual). A prefix-cache
+hit or park boundary still moves them.
 
 Pipelining: a step may be planned before the tokens of the previous one are read. A decode
 row then feeds the token its row sampled in the previous step (`StepPlan.tokens` gives None
@@ -168,7 +172,9 @@ class Scheduler:
         self.page_size = layout.page_size
         self.serving_rows = serving_rows
         self.max_num_tokens = max_num_tokens
-        self.chunk = chunk
+        # Without mixed steps a prompt's chunks are whole: they start at multiples of the chunk
+        # whatever else runs (a chunk longer than the budget could then never run).
+        self.chunk = chunk if mixed_steps else min(chunk, max_num_tokens)
         self.headroom = tuple(headroom)
         self.max_shares = max_shares
         self.mixed_steps = mixed_steps
@@ -478,8 +484,12 @@ class Scheduler:
                 if r not in self.running or budget == 0:
                     continue
                 want = min(self._step_tokens(r), budget)
+                if not self.mixed_steps and want < self._step_tokens(r):
+                    continue  # a whole chunk or nothing: it waits for the next prefill step
                 while True:
                     n = self._largest_fit(r.row, want, planned)
+                    if not self.mixed_steps and n < want:
+                        n = 0  # not cut to the free slots either: make room for all of it
                     if n > 0:
                         take(r, n)
                         break
@@ -538,6 +548,8 @@ class Scheduler:
             # The first step as the budget allows, never cut to the free slots (a sliver of a
             # prefill would hold slots only to be preempted as its neighbours grow).
             n = min(self._step_tokens(r), budget)
+            if not self.mixed_steps and n < self._step_tokens(r):
+                n = 0  # a whole first chunk or none: it waits for the next prefill step
             protect = used_sources | ({hit} if hit else set())
             while not self._admits(planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):

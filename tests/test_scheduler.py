@@ -288,6 +288,8 @@ class Step:
     decode: set[int]
     prefill: set[int]
     decoding: bool
+    # request id -> (tokens fed before the step, tokens it feeds, row) of the rows it feeds
+    before: dict = dataclasses.field(default_factory=dict)
 
 
 def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
@@ -304,7 +306,10 @@ def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
         if plan is not None:
             ids = {s.rows[row].id for row in plan.new_tokens}
             decode = {i for i in ids if remaining.get(i) == 1}
-            steps.append(Step(plan, decode, ids - decode, 1 in remaining.values()))
+            before = {
+                s.rows[row].id: (s.rows[row].fed - n, n, row) for row, n in plan.new_tokens.items()
+            }
+            steps.append(Step(plan, decode, ids - decode, 1 in remaining.values(), before))
         if pipelined and previous is not None:
             s.on_sampled(previous, {row: 1000 + i for row, (r, i) in previous.samples.items()})
         if plan is None:
@@ -317,6 +322,18 @@ def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
         else:
             s.on_sampled(plan, {row: 1000 + i for row, (r, i) in plan.samples.items()})
     raise AssertionError("the scheduler did not finish")
+
+
+def check_whole_chunks(s, steps):
+    """Every prefill row of every step feeds a whole chunk: it starts at a multiple of the
+    chunk and takes the chunk, or less only where its prefill ends (it samples this step);
+    never cut by the budget or the free slots, so where a prompt's chunks fall does not depend
+    on the other rows."""
+    for i, step in enumerate(steps):
+        for rid in step.prefill:
+            start, n, row = step.before[rid]
+            assert start % s.chunk == 0, (i, rid, start)
+            assert n == s.chunk or row in step.plan.samples, (i, rid, n)
 
 
 def check_one_kind_per_step(steps):
@@ -346,6 +363,7 @@ def test_without_mixed_steps_a_step_holds_decode_rows_or_prefill_rows(pipelined)
     s = make(rows=4, budget=16, chunk=8, mixed_steps=False)
     steps = drive_steps(s, arriving_requests(), pipelined=pipelined)
     check_one_kind_per_step(steps)
+    check_whole_chunks(s, steps)
     assert any(step.prefill and step.decoding for step in steps)  # both kinds did wait at once
     for r in s.requests.values():
         assert r.status == FINISHED and r.output == [1000 + k for k in range(r.max_new_tokens)]
@@ -363,6 +381,7 @@ def test_without_mixed_steps_requests_wait_for_slots_and_all_finish():
     arrivals = {0: [req(i, n, 12) for i, n in enumerate([22, 30, 14, 26])], 4: [req(4, 18, 5)]}
     steps = drive_steps(s, arrivals)
     check_one_kind_per_step(steps)
+    check_whole_chunks(s, steps)
     assert len(steps[0].prefill) < 4  # the rest wait for room
     assert s.counters.preemptions > 0  # decode rows grew into a prefill's slots
     for r in s.requests.values():
@@ -413,7 +432,10 @@ def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
     arrivals = {}
     for i, n in enumerate(lengths):
         arrivals.setdefault(arrive[i], []).append(req(i, n, new[i]))
-    check_one_kind_per_step(drive_steps(s, arrivals, pipelined=pipelined))
+    steps = drive_steps(s, arrivals, pipelined=pipelined)
+    check_one_kind_per_step(steps)
+    if not cache_rows:  # (a prefix hit or a park boundary moves the chunks of a prompt)
+        check_whole_chunks(s, steps)
     for i in range(len(lengths)):
         r = s.requests[i]
         assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
@@ -448,3 +470,19 @@ def test_a_prefix_is_parked_once():
 def test_serving_rows_validated():
     with pytest.raises(ValueError, match="serving_rows"):
         Scheduler(ToyLedger(4, 2), serving_rows=3, max_num_tokens=8, chunk=8, headroom=(0,))
+
+
+def test_without_mixed_steps_a_chunk_is_never_cut_by_the_budget():
+    """Budget 20, chunks of 8: the default schedule gives a third prompt the 4 tokens left
+    (its chunks then fall at 4, 12, ...); without mixed steps it waits for the next step, and
+    every prompt's chunks start at multiples of 8."""
+    prompts = [req(i, 24, 2) for i in range(3)]
+    mixed = make(rows=4, budget=20, chunk=8)
+    for r in prompts:
+        mixed.add(r)
+    assert mixed.schedule().new_tokens == {0: 8, 1: 8, 2: 4}
+    s = make(rows=4, budget=20, chunk=8, mixed_steps=False)
+    steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
+    assert steps[0].plan.new_tokens == {0: 8, 1: 8}
+    check_whole_chunks(s, steps)
+    assert all(r.status == FINISHED for r in s.requests.values())
