@@ -13,7 +13,7 @@ from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
 from pallas_kernels import _checks
-from swajax import _step_cache
+from swajax import _runner, _step_cache
 from swajax._budget import round_quota
 
 
@@ -40,6 +40,9 @@ def test_quota_rounding_gives_the_same_layout_for_nearby_free_memory():
 
 
 def test_two_engines_of_one_model_trace_once_and_precompile_covers_the_run():
+    # Steps are shared by every engine of a model structure and layout in the process: start
+    # from none, whatever other tests of this worker compiled.
+    _runner.step_function.cache_clear()
     model = make_model("gemma3")
     prompts = prompts_of([30, 9, 21], seed=2)
     expected = dense_greedy(model, prompts, 5)
@@ -177,7 +180,7 @@ def test_a_step_loaded_for_the_gpu_imports_the_mosaic_gpu_runtime():
         """
         import sys
         import jax, jax.numpy as jnp
-        from swajax import _step_cache
+        from swajax import _runner, _step_cache
         spec = jax.ShapeDtypeStruct((4,), jnp.float32)
         for platform in ("cpu", "cuda"):
             exported = jax.export.export(jax.jit(lambda x: x + 1), platforms=(platform,))(spec)
