@@ -947,3 +947,43 @@ def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
     got = _pallas(case, decode=False, scale=d**-0.5, window=window)
     want = dense_oracle(case, scale=d**-0.5, window=window)
     _check(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 80])
+def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window):
+    """`Engine(batch_invariant=True)` relies on this: a query's output is bitwise the same
+    whether its sequence's new tokens start at position 0 or at a later multiple of the
+    128-row query tile (the earlier ones then read from the pool). Interpret mode, one
+    sequence of 256 tokens; the last 128 queries computed both ways. (A start inside a tile
+    may regroup a query's keys into other steps: at start 100 one row differs in this case.)"""
+    length, d = 256, 128
+    case = _testing.make_case(
+        3,
+        q_lens=[length],
+        kv_lens=[length],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=d,
+        page_size=32,
+        window=window,
+        row_fill=100.0,
+    )
+    a = case.jax_args()
+
+    def run(start):
+        q_starts = jnp.array([0, length - start], jnp.int32)
+        with _checks.force_interpret():
+            out = ragged_paged_attention(
+                a["q"][start:],
+                a["pool"],
+                a["page_table"],
+                q_starts,
+                a["kv_lens"],
+                scale=d**-0.5,
+                window=window,
+                implementation="pallas",
+            )
+        return np.asarray(out, np.float32)
+
+    whole, last = run(0), run(128)
+    np.testing.assert_array_equal(last, whole[128:])
