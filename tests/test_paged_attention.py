@@ -987,3 +987,46 @@ def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window):
 
     whole, last = run(0), run(128)
     np.testing.assert_array_equal(last, whole[128:])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_decode_row_output_does_not_depend_on_the_other_rows(window):
+    """`Engine(batch_invariant=True)` relies on this too: with the step's shape fixed, a decode
+    row's output is bitwise the same whatever the other rows of the batch hold (their queries
+    and lengths). Interpret mode; split-K on, so a row's partials and their combine are its
+    own."""
+    d = 128
+    case = _testing.make_case(
+        5,
+        q_lens=[1, 1, 1, 1],
+        kv_lens=[37, 90, 64, 16],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=d,
+        page_size=16,
+        window=window,
+        decode=True,
+        row_fill=100.0,
+    )
+    a = case.jax_args()
+
+    def run(q, kv_lens):
+        with _checks.force_interpret():
+            out = paged_decode_attention(
+                q,
+                a["pool"],
+                a["page_table"],
+                kv_lens,
+                scale=d**-0.5,
+                window=window,
+                implementation="pallas",
+                num_splits=3,
+            )
+        return np.asarray(out, np.float32)
+
+    first = run(a["q"], a["kv_lens"])
+    others = jnp.array([0, 2, 3])
+    q = a["q"].at[others].set(-2 * a["q"][others])
+    second = run(q, jnp.array([5, 90, 20, 9], jnp.int32))  # the others shorter, row 1 as is
+    np.testing.assert_array_equal(second[1], first[1])
+    assert np.abs(second[others] - first[others]).max() > 0  # the other rows did change
