@@ -551,7 +551,7 @@ class Scheduler:
             if not self.mixed_steps and n < self._step_tokens(r):
                 n = 0  # a whole first chunk or none: it waits for the next prefill step
             protect = used_sources | ({hit} if hit else set())
-            while not self._admits(planned, r, n, headroom, commitments):
+            while n and not self._admits(planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):
                     n = 0
                     break
