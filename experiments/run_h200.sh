@@ -39,7 +39,7 @@ for stage in "$@"; do
       run generate "${STAGE_LIMIT_generate:-500}" python3 experiments/bench_generate.py \
         ${GENERATE_ARGS:-} --out "$OUT/generate_h200.json" ;;
     scratch)  # one model per call: PRESETS=gemma4_e2b [SETUPS=cap_only] [REQUESTS=32]
-      # [SCRATCH_NAME=swa_scratch_invariant_h200 SCRATCH_ARGS="--batch-invariant --verify 0"]
+      # [SCRATCH_NAME=swa_scratch_mixed_h200 SCRATCH_ARGS="--mixed-steps --verify 0"]
       name=${SCRATCH_NAME:-swa_scratch_h200}
       run scratch "${STAGE_LIMIT_scratch:-590}" python3 experiments/swa_scratch_throughput.py \
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \

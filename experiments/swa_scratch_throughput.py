@@ -18,7 +18,11 @@ differently, part after a few tokens); `requests` random prompts with lengths un
 [3/4, 5/4] x input_mean (6K-10K at the default 8K), each generating exactly `output_len` tokens
 greedily (no stop tokens); bf16 KV, page 32, the engine's default token budget of 8192 tokens
 per step (TensorRT-LLM's default max_num_tokens; prefill chunk = budget), Pallas kernels,
-`--rows` serving rows (enough that the KV pool, not the rows, bounds concurrency).
+`--rows` serving rows (enough that the KV pool, not the rows, bounds concurrency), batch-invariant
+steps (`Engine(batch_invariant=True)`: a step holds decode rows only or whole prefill chunks
+only, at one shape each, so a request's greedy tokens do not depend on which other rows ON and
+OFF admit beside it; `--mixed-steps` serves as the default engine does, decode rows riding in
+prefill steps).
 
 KV cap, the same for every cell of a preset: `--cap-seqs` (8) x the steady-state KV bytes of one
 sequence of input_mean + output_len tokens (after its prefill and decode: every token in full
@@ -28,7 +32,8 @@ Setups, each with scratch ON and OFF, the split derived in the cell's own scratc
   cap_only   pool_ratio unset: the library's default split from the hints
              expected_input_length = `--default-isl` (2048: TensorRT-LLM's initial split assumes
              an average ISL of 2K) and expected_batch_size = the batch of such sequences the cap
-             holds (`swajax.fitted_batch`);
+             holds (`swajax.fitted_batch`), each group raised to what the longest request needs
+             alone (`swajax.plan_num_slots`);
   pinned_8k  pool_ratio pinned to `swajax.fitted_pool_ratio` for an expected ISL of input_mean
              (8K): the split at which a pool full of 8K sequences runs out of every group at once;
   adaptive   pool_ratio="adaptive" (scratch ON only): the engine splits the quota for the
@@ -130,7 +135,7 @@ class Params:
     # `Engine(batch_invariant=True)`: decode and prefill rows never share a step and every
     # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
     # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     quick: bool = False
 
     @property
@@ -885,10 +890,12 @@ def parse(argv=None):
     p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
     p.add_argument(
-        "--batch-invariant",
-        action="store_true",
+        "--mixed-steps",
+        dest="batch_invariant",
+        action="store_false",
         default=None,
-        help="Engine(batch_invariant=True) in every cell (ON/OFF tokens independent of batching)",
+        help="the default engine's steps (decode rows ride in prefill steps) instead of "
+        "Engine(batch_invariant=True), whose ON/OFF tokens do not depend on the batching",
     )
     p.add_argument("--simulate", action="store_true", help="predictions only, no model")
     p.add_argument(

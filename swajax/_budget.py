@@ -199,7 +199,10 @@ def plan_num_slots(
     The quota is split in bytes by `pool_ratio` (pinned) or `default_pool_ratio` (None, and
     "adaptive" until the engine has seen requests: see `adaptive_split`). No group gets more
     slots than it could ever hold; with the default ratio the bytes a group cannot use go to
-    the others. Raises ValueError when a group would get no slot.
+    the others, and every group gets at least what one request of layout.max_context tokens
+    needs alone (`longest_request_slots`), the bytes taken from the others, where the quota
+    holds that: hints for short inputs must not leave a group too small for the longest request
+    the engine accepts. Raises ValueError when a group would get no slot.
     """
     cfg = kv_cache_config
     quota = kv_quota_bytes(cfg) if quota is None else int(quota)
@@ -213,8 +216,23 @@ def plan_num_slots(
         total = sum(cfg.pool_ratio)
         slots = _split_slots(layout, quota, [r / total for r in cfg.pool_ratio], redistribute=False)
     else:
-        slots = _split_slots(layout, quota, default_pool_ratio(layout, cfg), redistribute=True)
+        need = longest_request_slots(layout)
+        fits = sum(n * layout.slot_bytes(g) for g, n in enumerate(need)) <= quota
+        slots = _split_slots(
+            layout,
+            quota,
+            default_pool_ratio(layout, cfg),
+            redistribute=True,
+            minimum=need if fits else None,
+        )
     return _check_slots(layout, quota, slots)
+
+
+def longest_request_slots(layout: KVLayout) -> tuple[int, ...]:
+    """Peak slots per group of one request of layout.max_context tokens (prompt + new tokens),
+    alone: a prompt of max_context - 1 tokens prefilled in chunks of layout.max_chunk (its last
+    token is never stored, so no decode step adds to what the prompt holds)."""
+    return request_slots(layout, max(layout.max_context - 1, 1))
 
 
 # ----------------------------------------------------------------------------- fitted split

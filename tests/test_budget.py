@@ -175,3 +175,34 @@ def test_request_slots_match_the_transforms(scratch):
     assert tuple(most.tolist()) == peak
     steady = swajax.kv_bytes_per_sequence(lay, input_len + new, chunk, "full")
     assert steady.steady == ((input_len + new + 15) // 16) * (1536 + 512)
+
+
+def test_default_split_holds_the_longest_request():
+    """Hints for short inputs give the full group less than one max_context request holds
+    (4095 tokens stored: 256 blocks of 16); the default split raises it to that, the bytes taken
+    from the sliding group, and a ledger of the layout runs such a request alone. A quota too
+    small for one such request keeps the hint split (the request's own check reports it)."""
+    cfg = swajax.KVCacheConfig(
+        page_size=16,
+        max_gpu_total_bytes=400_000,
+        expected_input_length=64,
+        expected_batch_size=4,
+        chunk_size=256,
+        enable_swa_scratch_reuse=True,
+    )
+    lay = swajax.make_layout(SPECS, cfg, max_context=4096, max_batch=4)
+    # the hints' share: full 256 * 32 B against sliding 256 * 32 + 4 * 5280 (scratch ON)
+    share = 8192 / (8192 + 29312)
+    assert int(400_000 * share) // 512 == 170 < 256
+    full, sliding = lay.groups[1].num_slots, lay.groups[0].num_slots
+    assert full >= 256 and lay.pool_bytes() <= 400_000
+    assert sliding == (400_000 - full * 512) // 1536  # the rest, all of it to the sliding group
+    ledger = swajax.SlotLedger(lay)
+    for start in range(0, 4095, 256):
+        assert ledger.reserve({0: min(256, 4095 - start)}), start
+        ledger.advance()
+    assert ledger.row_slots(0)[1] == 256
+    small = swajax.make_layout(
+        SPECS, dataclasses.replace(cfg, max_gpu_total_bytes=100_000), max_context=4096, max_batch=4
+    )
+    assert small.groups[1].num_slots == int(100_000 * share) // 512
