@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 
 from swajax._layout import KVLayout
-from swajax._scratch import ceil_div, scratch_range, scratch_slot_count, stale_range
+from swajax._scratch import INTS, ceil_div, scratch_range, scratch_slot_count, stale_range
 
 
 class SlotLedger:
@@ -55,6 +55,13 @@ class SlotLedger:
         self.refs: list[dict[int, int]] = [{} for _ in layout.groups]
         self.scratch = [[0] * layout.max_batch for _ in layout.groups]
         self._ids = itertools.count()
+        # per group: (window, sink blocks, scratch blocks, min scale) when it rotates scratch
+        self._rotating = [
+            (g.window, g.sink_blocks, g.scratch_blocks, layout.min_scale(i))
+            if self.mode == "scratch" and g.is_sliding and g.scratch_slots > 0
+            else None
+            for i, g in enumerate(layout.groups)
+        ]
 
     # ------------------------------------------------------------------ queries
 
@@ -98,29 +105,31 @@ class SlotLedger:
         lay, tpb = self.layout, self.layout.page_size
         ok = True
         plans, totals = [], []
-        for g, group in enumerate(lay.groups):
+        for b, n in new_tokens.items():
+            h, c = self.history[b], self.cap[b]
+            if n < 0 or (n > 0 and c != h) or h + n > lay.max_context:
+                ok = False
+        for g, rotating in enumerate(self._rotating):
             need, scratch, total = {}, {}, 0
+            held_g = self.blocks[g]
             for b, n in new_tokens.items():
-                h, c = self.history[b], self.cap[b]
-                if n < 0 or (n > 0 and c != h) or h + n > lay.max_context:
-                    ok = False
                 if n <= 0:
                     continue
+                h = self.history[b]
                 cap = h + n
+                held = held_g[b]
                 begin = end = n_scratch = 0
-                if self.mode == "scratch" and group.is_sliding and group.scratch_slots > 0:
-                    begin, end = scratch_range(
-                        h, cap, group.window, group.sink_blocks, tpb, lay.max_rewind
-                    )
-                    held = self.blocks[g][b]
+                if rotating is not None:
+                    window, sinks, most, scale = rotating
+                    begin, end = scratch_range(h, cap, window, sinks, tpb, lay.max_rewind, INTS)
                     held_end = max(held) + 1 if held else 0
-                    begin = max(int(begin), held_end)
-                    end = max(begin, min(int(end), begin + group.scratch_blocks))
-                    n_scratch = int(scratch_slot_count(end - begin, lay.min_scale(g)))
+                    begin = max(begin, held_end)
+                    end = max(begin, min(end, begin + most))
+                    n_scratch = scratch_slot_count(end - begin, scale)
                 blocks = [
                     o
                     for o in range(h // tpb, ceil_div(cap, tpb))
-                    if not begin <= o < end and o not in self.blocks[g][b]
+                    if not begin <= o < end and o not in held
                 ]
                 need[b], scratch[b] = blocks, n_scratch
                 total += len(blocks) + n_scratch
@@ -170,22 +179,26 @@ class SlotLedger:
     def advance(self) -> None:
         """history := cap; out-of-window release of stale blocks; scratch slots back."""
         lay = self.layout
-        for b in range(lay.max_batch):
-            self.history[b] = self.cap[b]
+        self.history[:] = self.cap
         for g, group in enumerate(lay.groups):
-            for b in range(lay.max_batch):
-                self.free[g] += self.scratch[g][b]
-                self.scratch[g][b] = 0
-                if not group.is_sliding or self.mode == "full":
+            scratch_g, blocks_g = self.scratch[g], self.blocks[g]
+            self.free[g] += sum(scratch_g)
+            scratch_g[:] = [0] * lay.max_batch
+            if not group.is_sliding or self.mode == "full":
+                continue
+            for b, held in enumerate(blocks_g):
+                if not held:
                     continue
                 start, end = stale_range(
                     self.history[b] - lay.max_rewind,
                     group.window,
                     group.sink_blocks,
                     lay.page_size,
+                    INTS,
                 )
-                stale = [o for o in self.blocks[g][b] if int(start) <= o < int(end)]
-                self._drop(g, b, stale)
+                stale = [o for o in held if start <= o < end]
+                if stale:
+                    self._drop(g, b, stale)
 
     def free_rows(self, rows: Sequence[int]) -> None:
         """Frees every block and scratch slot of `rows`; the rows become empty."""

@@ -9,18 +9,26 @@ Blocks are half-open ranges `[begin, end)` of block indices; `tpb` is the page s
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 from pallas_kernels.page_table_gather import BAD, rotate
 
 __all__ = [
     "BAD",
+    "INTS",
     "ceil_div",
     "rotation_pages",
     "scratch_range",
     "scratch_slot_count",
     "stale_range",
 ]
+
+
+# The `xp` of Python ints (the host's `SlotLedger`): the same formulas on plain ints, without
+# the NumPy scalar round trips that would dominate the host's per-step planning.
+INTS = types.SimpleNamespace(maximum=max, minimum=min)
 
 
 def ceil_div(a, b):

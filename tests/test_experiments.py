@@ -343,3 +343,37 @@ def test_bench_cold_start_lowering_with_the_step_cache():
         assert v["mosaic_kernels_plain"] > 0
         assert v["mosaic_kernels_cached"] == v["mosaic_kernels_plain"]
         assert v["serialized_bytes"] > 0
+
+
+# ----------------------------------------------------------------------------- bench_host
+
+bench_host = _load("bench_host")
+
+
+def test_bench_host_times_every_stage_at_the_rows_asked(tmp_path):
+    out = tmp_path / "host.json"
+    res = bench_host.main(
+        [
+            "--presets",
+            "gemma3_270m",
+            "--rows",
+            "1,3",
+            "--input",
+            "300",
+            "--steps",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text())["records"] == res["records"]
+    assert [(r["scratch"], r["rows"]) for r in res["records"]] == [
+        (False, 1),
+        (False, 3),
+        (True, 1),
+        (True, 3),
+    ]
+    for r in res["records"]:
+        assert r["decode_steps"] >= 8
+        assert all(r["us_median"][s] > 0 for s in bench_host.STAGES)
+        assert r["us_median"]["total"] <= r["us_p90"]["total"]
