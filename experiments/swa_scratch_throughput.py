@@ -54,9 +54,9 @@ rounding of differently batched steps.
 
 Prediction (`--simulate`, and `predicted` in every record): the engine's own scheduler and
 `SlotLedger` plan the whole workload on the host (no pipelining); each planned step costs
-max(bytes / copy rate, FLOPs / matmul rate) at H200 rates and efficiencies measured in earlier
-runs (`H200`), bytes and FLOPs from `bench_generate` (weights, KV read per decode row, matmul
-FLOPs of the padded token bucket, attention FLOPs).
+max(bytes / copy rate, FLOPs / matmul rate, the host's launch time per layer) at H200 rates and
+efficiencies measured in earlier runs (`H200`), bytes and FLOPs from `bench_generate`
+(weights, KV read per decode row, matmul FLOPs of the padded token bucket, attention FLOPs).
 
 Writes the JSON (device, versions, git commit, every invocation's metadata, caps, the prompts'
 seed, `records`, `comparison`) and a PNG beside it (per model: the ON vs OFF change per setup,
@@ -105,7 +105,16 @@ PUBLISHED = {
 # H200 rates for the estimates: copy 4.05-4.24 TB/s and bf16 matmul 694 TFLOP/s measured
 # (NOTES.md, h200_baselines.json); one Gemma 3 4B decode step ran at 0.58 of its bytes floor
 # (model_h200_v3.json); the prefill share and the compile time per step variant are assumptions.
-H200 = dict(copy_tbs=4.1, matmul_tflops=694.0, decode_efficiency=0.58, prefill_efficiency=0.5)
+# A step never takes less than the host needs to launch it: ~0.21 ms per layer, the
+# least-squares slope through the inter-token latency p50 of the OFF cells of Gemma 3 270M /
+# 1B and Gemma 4 E2B / E4B (4.1-9.6 ms at 18-42 layers; results/swa_scratch_h200.json, 876f573).
+H200 = dict(
+    copy_tbs=4.1,
+    matmul_tflops=694.0,
+    decode_efficiency=0.58,
+    prefill_efficiency=0.5,
+    host_ms_per_layer=0.21,
+)
 DEVICE_CALL_S = 600
 
 
@@ -347,6 +356,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     copy = H200["copy_tbs"] * 1e12 * H200["decode_efficiency"]
     matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
     decode_bucket = -(-params.rows // 8) * 8
+    host_floor = H200["host_ms_per_layer"] * 1e-3 * len(config.layer_specs)
     steps = prefill_steps = 0
     seconds = prefill_seconds = 0.0
     concurrent, used = [], []
@@ -369,7 +379,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         else:
             prefill_steps += 1
             flops += params.max_num_tokens * per_token  # the step is padded to the budget
-        t = max(nbytes / copy, flops / matmul)
+        t = max(nbytes / copy, flops / matmul, host_floor)
         seconds += t
         prefill_seconds += 0.0 if plan.decode_only else t
         concurrent.append(len(plan.new_tokens))
