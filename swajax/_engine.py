@@ -223,17 +223,16 @@ class Engine:
         the per-device bytes of a slot (`KVLayout.tp`). ValueError for a mesh without "model"
         or a tp that cannot split the query or KV heads evenly.
       batch_invariant: keep a row's computation apart from what else runs in its step, so
-        that greedy tokens depend less on the schedule (e.g. on how many rows the pool admits,
-        as with scratch reuse on or off). A step then holds decode rows only or prefill rows
-        only (the two kinds alternate while both wait, see `swajax._scheduler`); every step
-        with prefill rows has the token axis max_num_tokens (min_prefill_bucket must be left
-        unset or equal it: ValueError otherwise); a prompt's chunks start at multiples of the
-        chunk whatever else runs (never cut to the budget left or the free slots; a
-        prefix-cache hit moves them). Cost: decode rows wait while a prefill step runs, and
-        a prefill step is padded to max_num_tokens. On the H200 two schedules' tokens still
-        part at near ties in a few requests (`experiments/NOTES.md` v13). Preemption breaks
-        it: a preempted request is recomputed from prompt + generated tokens in prefill
-        steps (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
+        that greedy tokens do not depend on the schedule (e.g. on how many rows the pool
+        admits, as with scratch reuse on or off). A step then holds decode rows only or
+        prefill rows only (the two kinds alternate while both wait, see `swajax._scheduler`);
+        every step with prefill rows has the token axis max_num_tokens (min_prefill_bucket
+        must be left unset or equal it: ValueError otherwise); a prompt's chunks start at
+        multiples of the chunk whatever else runs (never cut to the budget left or the free
+        slots; a prefix-cache hit moves them). Cost: decode rows wait while a prefill step
+        runs, and a prefill step is padded to max_num_tokens. Preemption breaks it: a
+        preempted request is recomputed from prompt + generated tokens in prefill steps
+        (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
         replicas (one step runs every replica's plan, and each replica's scheduler picks its
         own step kind).
 
