@@ -45,7 +45,10 @@ one timed `Engine.run`. Recorded per cell: output and total tokens/s, steps, pea
 per group, max concurrent rows, preemptions, TTFT / inter-token latency, a digest of every
 request's tokens (`same_tokens_as_off`: ON equals OFF of the same setup, and adaptive equals the
 OFF cells; `first_token_agreement` and `mean_common_prefix` over each request's first 16 tokens),
-the split and the ledger simulation's prediction (`predicted`). An error in one cell is
+the split and the ledger simulation's prediction (`predicted`), whether the steps came through
+the step cache (`step_cache`; `SWAJAX_STEP_CACHE=0` turns it off) and, with `--profile N`, N of
+the cell's requests run once more under the profiler (`profile`: the device's busy time against
+the wall time, the top kernels). An error in one cell is
 recorded in it and the next cell runs. Where ON and OFF tokens differ, `divergences` (per OFF
 setup compared): the first `--verify` differing requests recomputed alone at the position where
 they part (prompt + common prefix, one engine of batch 1), with the two runs' tokens' logit gap
@@ -145,6 +148,10 @@ class Params:
     # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
     # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
     batch_invariant: bool = True
+    # After a cell's timed run, this many of its requests run once more under the profiler
+    # (`bench_generate.profile_run`: the device's busy time against the wall time, top
+    # kernels); 0: none. Not part of the workload.
+    profile: int = 0
     quick: bool = False
 
     @property
@@ -457,6 +464,7 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
     import jax
 
     import swajax
+    from swajax import _step_cache
 
     context = max_context(prompts, params)
     kv, derived = cell_kv_config(config, params, setup, scratch, cap, context)
@@ -521,7 +529,15 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
         traces_in_run=engine.trace_count - traces,
         request_digests=digests(outputs),
         request_heads=[list(map(int, o[:HEAD_TOKENS])) for o in outputs],
+        step_cache=_step_cache.cache_dir() is not None,
     )
+    if params.profile:
+        from experiments.bench_generate import profile_run
+
+        rec["profile"] = dict(
+            requests=params.profile,
+            **profile_run(engine, prompts[: params.profile], params.output_len),
+        )
     del engine
     gc.collect()
     return rec, outputs
@@ -907,6 +923,13 @@ def parse(argv=None):
         help="the default engine's steps (decode rows ride in prefill steps) instead of "
         "Engine(batch_invariant=True), whose ON/OFF tokens do not depend on the batching",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after each cell, N of its requests once more under the profiler (0: none)",
+    )
     p.add_argument("--simulate", action="store_true", help="predictions only, no model")
     p.add_argument(
         "--plan",
@@ -934,6 +957,7 @@ def parse(argv=None):
             "cell_limit_s",
             "verify",
             "batch_invariant",
+            "profile",
         )
         if getattr(args, k) is not None
     }

@@ -254,9 +254,11 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table
     assert (tmp_path / "swa.png").stat().st_size > 10_000
     # a second invocation replaces its cells and keeps the others
-    swa_scratch.main(["--quick", "--setups", "adaptive", "--out", str(out)])
+    swa_scratch.main(["--quick", "--setups", "adaptive", "--profile", "2", "--out", str(out)])
     again = json.loads(out.read_text())
     assert len(again["runs"]) == 2 and len(again["records"]) == 3
+    prof = next(r for r in again["records"] if r["setup"] == "adaptive")["profile"]
+    assert prof["requests"] == 2 and prof["steps"] > 8 and prof["wall_s"] > 0
     assert {(r["setup"], r["scratch"]) for r in again["records"]} == set(recs)
 
 
