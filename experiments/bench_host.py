@@ -21,6 +21,7 @@ fastest of `--repeats` runs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -41,21 +42,14 @@ def layout_for(preset: str, scratch: bool, rows: int, input_len: int, steps: int
     from experiments import swa_scratch_throughput as swa
     from swajax._layout import with_num_slots
 
-    params = swa.Params()  # 32 serving rows, as the reproduction serves
+    # 32 serving rows, as the reproduction serves; the context of one input_len + steps + 1
+    # request, the layout the reproduction's `cell_layout` builds for it
+    params = dataclasses.replace(swa.Params(), output_len=steps + 1)
     if not 1 <= rows <= params.rows:
         raise ValueError(f"rows must be in [1, {params.rows}], got {rows}")
     config = swa.model_config(preset, params)
-    cap = swa.kv_cap_bytes(config, params)
-    context = input_len + steps + 1
-    kv, _ = swa.cell_kv_config(config, params, "pinned_8k", scratch, cap, context)
-    lay = swajax.make_layout(
-        config.layer_specs,
-        kv,
-        max_context=context,
-        max_batch=params.rows,
-        max_chunk=min(params.max_num_tokens, context),
-        scratch=scratch,
-    )
+    cap = swa.kv_cap_bytes(config, swa.Params())  # the reproduction's cap
+    lay = swa.cell_layout(config, params, "pinned_8k", scratch, cap, [(1,) * input_len])
     need = swajax.request_slots(lay, input_len, max_new_tokens=steps)
     room = [max(g.num_slots, rows * k + 64) for g, k in zip(lay.groups, need, strict=True)]
     return with_num_slots(lay, room), params
