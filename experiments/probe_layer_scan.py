@@ -13,6 +13,8 @@ This probe times a synthetic decode MLP stack at Gemma 4 12B's sizes (48 layers,
   place where XLA supports it);
 - `scan_dsf_cublas`: plus `xla_gpu_enable_triton_gemm=false` (cuBLAS GEMMs, which the dynamic
   slice fusion handles);
+- `scan_unroll_full`: `lax.scan(..., unroll=True)` over the stacked weights (static slices);
+- `unrolled_stacked`: a Python loop over static slices `w[i]` of the stacked weights;
 - `unrolled`: a Python loop over per-layer arrays (no slices at all): the floor.
 
     PYTHONPATH=. python3 experiments/probe_layer_scan.py --out /tmp/out/probe_layer_scan.json
@@ -39,6 +41,8 @@ VARIANTS = {
         "xla_gpu_enable_dynamic_slice_fusion": True,
         "xla_gpu_enable_triton_gemm": False,
     },
+    "scan_unroll_full": {},
+    "unrolled_stacked": {},
     "unrolled": {},
 }
 
@@ -57,6 +61,19 @@ def scanned(x, stacked):
     return jax.lax.scan(body, x, stacked)[0]
 
 
+def scanned_unrolled(x, stacked):
+    def body(h, w):
+        return layer(h, w).astype(h.dtype), None
+
+    return jax.lax.scan(body, x, stacked, unroll=True)[0]
+
+
+def unrolled_stacked(x, stacked):
+    for i in range(stacked[0].shape[0]):
+        x = layer(x, tuple(w[i] for w in stacked)).astype(x.dtype)
+    return x
+
+
 def unrolled(x, per_layer):
     for w in per_layer:
         x = layer(x, w).astype(x.dtype)
@@ -71,6 +88,7 @@ def main(argv=None):
     p.add_argument("--d-q", type=int, default=4096)
     p.add_argument("--rows", default="1,8")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
@@ -93,10 +111,15 @@ def main(argv=None):
     res["records"] = []
     for rows in [int(r) for r in args.rows.split(",")]:
         x = jax.random.normal(jax.random.key(rows), (rows, D), jnp.bfloat16)
-        for name, options in VARIANTS.items():
+        for name in args.variants.split(","):
+            options = VARIANTS[name]
             rec = dict(variant=name, rows=rows, compiler_options=options)
             try:
-                fn, w = (unrolled, per_layer) if name == "unrolled" else (scanned, stacked)
+                fn, w = {
+                    "unrolled": (unrolled, per_layer),
+                    "unrolled_stacked": (unrolled_stacked, stacked),
+                    "scan_unroll_full": (scanned_unrolled, stacked),
+                }.get(name, (scanned, stacked))
                 t0 = time.perf_counter()
                 compiled = jax.jit(fn).lower(x, w).compile(compiler_options=options or None)
                 rec["compile_s"] = time.perf_counter() - t0
