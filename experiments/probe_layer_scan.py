@@ -15,13 +15,17 @@ This probe times a synthetic decode MLP stack at Gemma 4 12B's sizes (48 layers,
   slice fusion handles);
 - `scan_unroll_full`: `lax.scan(..., unroll=True)` over the stacked weights (static slices);
 - `unrolled_stacked`: a Python loop over static slices `w[i]` of the stacked weights;
-- `unrolled`: a Python loop over per-layer arrays (no slices at all): the floor.
+- `unrolled`: a Python loop over per-layer arrays (no slices at all): the floor;
+- `scan_grouped`: the scan over layer indices, each product `x @ W[i]` as the grouped matmul
+  (`pallas_kernels.grouped_matmul`, Mosaic GPU on Hopper) of the whole stack with every row in
+  group i: the kernel reads group i's weights where they lie.
 
     PYTHONPATH=. python3 experiments/probe_layer_scan.py --out /tmp/out/probe_layer_scan.json
     PYTHONPATH=. python3 experiments/probe_layer_scan.py --quick   # CPU, tiny sizes
 
-Writes the wall time per step, the device busy time, the memcpy count and time per step, and
-the weight bytes over the step time (TB/s) per variant and row count.
+Writes per variant and row count: the largest difference from the unrolled loop's output,
+the wall time per step, the device busy time, the memcpy count and time per step, and the
+weight bytes over the step time (TB/s).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ VARIANTS = {
     "scan_unroll_full": {},
     "unrolled_stacked": {},
     "unrolled": {},
+    "scan_grouped": {},
 }
 
 
@@ -59,6 +64,24 @@ def scanned(x, stacked):
         return layer(h, w).astype(h.dtype), None
 
     return jax.lax.scan(body, x, stacked)[0]
+
+
+def scanned_grouped(x, stacked):
+    from pallas_kernels.grouped_matmul import grouped_matmul
+
+    layers = stacked[0].shape[0]
+
+    def mm(h, w, i):
+        sizes = jnp.where(jnp.arange(layers) == i, h.shape[0], 0).astype(jnp.int32)
+        return grouped_matmul(h, w, sizes)
+
+    def body(h, i):
+        q, gate, up, down = stacked
+        h2 = h + mm(h, q, i)[:, : h.shape[1]]
+        a = jax.nn.gelu(mm(h2, gate, i)) * mm(h2, up, i)
+        return (h2 + mm(a.astype(h.dtype), down, i)).astype(h.dtype), None
+
+    return jax.lax.scan(body, x, jnp.arange(layers))[0]
 
 
 def scanned_unrolled(x, stacked):
@@ -111,6 +134,7 @@ def main(argv=None):
     res["records"] = []
     for rows in [int(r) for r in args.rows.split(",")]:
         x = jax.random.normal(jax.random.key(rows), (rows, D), jnp.bfloat16)
+        expected = jax.jit(unrolled)(x, per_layer).astype(jnp.float32)
         for name in args.variants.split(","):
             options = VARIANTS[name]
             rec = dict(variant=name, rows=rows, compiler_options=options)
@@ -119,11 +143,13 @@ def main(argv=None):
                     "unrolled": (unrolled, per_layer),
                     "unrolled_stacked": (unrolled_stacked, stacked),
                     "scan_unroll_full": (scanned_unrolled, stacked),
+                    "scan_grouped": (scanned_grouped, stacked),
                 }.get(name, (scanned, stacked))
                 t0 = time.perf_counter()
                 compiled = jax.jit(fn).lower(x, w).compile(compiler_options=options or None)
                 rec["compile_s"] = time.perf_counter() - t0
-                jax.block_until_ready(compiled(x, w))
+                got = compiled(x, w).astype(jnp.float32)
+                rec["max_abs_diff_vs_unrolled"] = float(jnp.max(jnp.abs(got - expected)))
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
                     out = compiled(x, w)

@@ -379,3 +379,16 @@ def test_bench_host_times_every_stage_at_the_rows_asked(tmp_path):
         assert r["decode_steps"] >= 8
         assert all(r["us_median"][s] > 0 for s in bench_host.STAGES)
         assert r["us_median"]["total"] <= r["us_p90"]["total"]
+
+
+def test_probe_layer_scan_quick_every_form_computes_the_unrolled_stack():
+    """Every way of running the layer stack (scan, static slices, grouped matmul over the
+    stack) gives the output of the loop over separate per-layer arrays."""
+    probe = _load("probe_layer_scan")
+    res = probe.main(["--quick"])
+    names = [r["variant"] for r in res["records"]]
+    assert names == list(probe.VARIANTS) * 2
+    for r in res["records"]:
+        assert "error" not in r, r
+        assert r["max_abs_diff_vs_unrolled"] < 1e-2, r
+        assert r["step_ms"] > 0 and r["memcpy_per_step"] == 0  # CPU: no GPU plane
