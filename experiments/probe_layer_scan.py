@@ -13,6 +13,10 @@ This probe times a synthetic decode MLP stack at Gemma 4 12B's sizes (48 layers,
   place where XLA supports it);
 - `scan_dsf_cublas`: plus `xla_gpu_enable_triton_gemm=false` (cuBLAS GEMMs, which the dynamic
   slice fusion handles);
+- `scan_gemm_v2`: XLA's second GEMM fusion (`xla_gpu_experimental_gemm_fusion_v2`), which
+  fuses any operand Triton can tile, a major-dimension dynamic slice included
+  (`scan_gemm_v2_tiling`: with its tiling propagation);
+- `scan_xla_full_unroll`: XLA unrolls the while loop itself (static slices);
 - `scan_unroll_full`: `lax.scan(..., unroll=True)` over the stacked weights (static slices);
 - `unrolled_stacked`: a Python loop over static slices `w[i]` of the stacked weights;
 - `unrolled`: a Python loop over per-layer arrays (no slices at all): the floor;
@@ -44,6 +48,14 @@ VARIANTS = {
     "scan_dsf_cublas": {
         "xla_gpu_enable_dynamic_slice_fusion": True,
         "xla_gpu_enable_triton_gemm": False,
+    },
+    "scan_gemm_v2": {"xla_gpu_experimental_gemm_fusion_v2": True},
+    "scan_gemm_v2_tiling": {
+        "xla_gpu_experimental_gemm_fusion_v2": True,
+        "xla_gpu_experimental_enable_tiling_propagation": True,
+    },
+    "scan_xla_full_unroll": {
+        "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"
     },
     "scan_unroll_full": {},
     "unrolled_stacked": {},

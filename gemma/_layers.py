@@ -52,6 +52,67 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> jax.Array:
     return jnp.asarray(values, dtype=dtype)
 
 
+class StackedRow:
+    """Row `index` of a parameter stacked over a scanned run's repetitions, not yet sliced.
+
+    Under `lax.scan`, slicing a layer's matrices out of the stacked parameters makes XLA copy
+    each of them before its GEMMs (a device-to-device copy per matrix per layer: a decode step
+    moves about three times the weights' bytes; `experiments/probe_layer_scan.py`). A Block
+    run with `weights_in_place` holds its large matrices as StackedRows, and `linear` and the
+    experts multiply by them through `stacked_matmul`, which reads the row where it lies.
+    Indexing (`param[...]`) gives the sliced row, so every other use is unchanged.
+    """
+
+    def __init__(self, stack: jax.Array, index: jax.Array):
+        self.stack, self.index = stack, index
+
+    shape = property(lambda self: self.stack.shape[1:])
+    dtype = property(lambda self: self.stack.dtype)
+    ndim = property(lambda self: self.stack.ndim - 1)
+
+    def __getitem__(self, key):
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, 0, keepdims=False)[key]
+
+
+def stacked_matmul(x: jax.Array, stack: jax.Array, index, implementation: str = "auto"):
+    """x [M, K] @ stack[index] ([R, K, N] stack) -> [M, N], reading row `index` in place: the
+    grouped matmul of the whole stack with every row of x in group `index`
+    (`pallas_kernels.grouped_matmul`, whose Hopper kernel reads only the groups that own rows;
+    elsewhere `ragged_dot`, whose GPU lowering is dense over the groups, hence 'slice')."""
+    if implementation == "slice":
+        return jnp.dot(x, jax.lax.dynamic_index_in_dim(stack, index, 0, keepdims=False))
+    sizes = jnp.where(jnp.arange(stack.shape[0]) == index, x.shape[0], 0).astype(jnp.int32)
+    return grouped_matmul(x, stack, sizes, implementation=implementation)
+
+
+def in_place_implementation(dtype, k: int, n: int) -> str:
+    """How `stacked_matmul` runs for [M, k] x [R, k, n] operands of `dtype`: 'pallas' on a
+    Hopper GPU where the kernel takes them, 'reference' (ragged_dot) on CPU, else 'slice'."""
+    if not on_gpu():
+        return "reference"
+    return "pallas" if on_hopper() and supports(dtype, k, n) else "slice"
+
+
+def linear(subscripts: str, x: jax.Array, param: nnx.Variable, dtype) -> jax.Array:
+    """`jnp.einsum(subscripts, x, param[...])` for the projections here, whose weight axes are
+    the contracted ones (leading, matching x's trailing axes) then the output ones; a
+    StackedRow parameter is read in place (see `StackedRow`)."""
+    w = param.get_value()
+    if not isinstance(w, StackedRow) or jnp.dtype(w.dtype) != jnp.dtype(dtype):
+        return jnp.einsum(subscripts, x, param[...].astype(dtype))
+    ins, out = subscripts.split("->")
+    x_axes, w_axes = ins.split(",")
+    contracted = [a for a in w_axes if a in x_axes]
+    k = len(contracted)
+    assert w_axes[:k] == "".join(contracted) == x_axes[-k:], subscripts
+    assert out == x_axes[:-k] + w_axes[k:], subscripts
+    kk, nn = math.prod(w.shape[:k]), math.prod(w.shape[k:])
+    x2 = x.astype(dtype).reshape(-1, kk)
+    stack = w.stack.reshape(w.stack.shape[0], kk, nn)
+    y = stacked_matmul(x2, stack, w.index, in_place_implementation(dtype, kk, nn))
+    return y.reshape(*x.shape[: x.ndim - k], *w.shape[k:])
+
+
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
     x = x.astype(jnp.float32)
@@ -138,18 +199,14 @@ class Attention(nnx.Module):
         """layer: the `swajax.LayerRef` handed to the hook (default: this module's own layer)."""
         x = x.astype(self.dtype)
         inv_freq = _inv_freq(self.rope, self.q_proj.shape[-1])
-        q = jnp.einsum(
-            "...td,dnh->...tnh", x, self.q_proj[...].astype(self.dtype)
-        )  # [..., T, N, H]
+        q = linear("...td,dnh->...tnh", x, self.q_proj, self.dtype)  # [..., T, N, H]
         q = apply_rope(self.q_norm(q), positions, inv_freq)
         if self.writes_kv:
-            k = jnp.einsum(
-                "...td,dkh->...tkh", x, self.k_proj[...].astype(self.dtype)
-            )  # [..., T, K, H]
+            k = linear("...td,dkh->...tkh", x, self.k_proj, self.dtype)  # [..., T, K, H]
             if self.v_proj is None:
                 v = k
             else:
-                v = jnp.einsum("...td,dkh->...tkh", x, self.v_proj[...].astype(self.dtype))
+                v = linear("...td,dkh->...tkh", x, self.v_proj, self.dtype)
             k = apply_rope(self.k_norm(k), positions, inv_freq)
             if self.value_norm_eps is not None:
                 v = rms_normalize(v, self.value_norm_eps).astype(v.dtype)
@@ -157,7 +214,7 @@ class Attention(nnx.Module):
             k = v = None
         layer = LayerRef.of(self.layer_index) if layer is None else layer
         out, attention_state = attention_fn(layer, q, k, v, attention_state)
-        y = jnp.einsum("...tnh,nhd->...td", out, self.o_proj[...].astype(self.dtype))  # [..., T, D]
+        y = linear("...tnh,nhd->...td", out, self.o_proj, self.dtype)  # [..., T, D]
         return y, attention_state
 
 
@@ -171,11 +228,9 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Param(_normal(rngs, (f, d), param_dtype))
 
     def __call__(self, x):
-        gate = jnp.einsum("...d,df->...f", x, self.gate_proj[...].astype(self.dtype))  # [..., F]
-        up = jnp.einsum("...d,df->...f", x, self.up_proj[...].astype(self.dtype))
-        return jnp.einsum(
-            "...f,fd->...d", gelu_tanh(gate) * up, self.down_proj[...].astype(self.dtype)
-        )
+        gate = linear("...d,df->...f", x, self.gate_proj, self.dtype)  # [..., F]
+        up = linear("...d,df->...f", x, self.up_proj, self.dtype)
+        return linear("...f,fd->...d", gelu_tanh(gate) * up, self.down_proj, self.dtype)
 
 
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "pallas", "dense")
@@ -228,7 +283,7 @@ class MoE(nnx.Module):
         d = x.shape[-1]
         h = rms_normalize(x, self.eps).astype(x.dtype)
         h = h * self.router_scale[...].astype(x.dtype) * jnp.asarray(d**-0.5, x.dtype)
-        scores = jnp.einsum("...d,de->...e", h, self.router_proj[...].astype(x.dtype))  # [..., E]
+        scores = linear("...d,de->...e", h, self.router_proj, x.dtype)  # [..., E]
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)  # [..., top_k]
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -279,8 +334,17 @@ class MoE(nnx.Module):
         xs = tokens[token_of]  # [M*k, D]
         impl = "reference" if implementation == "ragged" else implementation
 
-        def gmm(lhs, w):
-            return grouped_matmul(lhs, w[...].astype(self.dtype), group_sizes, implementation=impl)
+        def gmm(lhs, param):
+            w = param.get_value()
+            if isinstance(w, StackedRow) and impl != "dense" and w.dtype == self.dtype:
+                # The run's whole stack [R * E, K, N], this layer's experts' groups in place.
+                stack = w.stack.reshape(-1, *w.shape[1:])
+                sizes = jnp.zeros((stack.shape[0],), jnp.int32)
+                sizes = jax.lax.dynamic_update_slice(sizes, group_sizes, (w.index * num_experts,))
+                return grouped_matmul(lhs, stack, sizes, implementation=impl)
+            return grouped_matmul(
+                lhs, param[...].astype(self.dtype), group_sizes, implementation=impl
+            )
 
         gate, up = gmm(xs, self.gate_proj), gmm(xs, self.up_proj)  # [M*k, F]
         y = gmm(gelu_tanh(gate) * up, self.down_proj)  # [M*k, D]
@@ -350,9 +414,9 @@ class Block(nnx.Module):
 
         if self.per_layer_input_gate is not None:
             residual = x
-            g = jnp.einsum("...d,dp->...p", x, self.per_layer_input_gate[...].astype(self.dtype))
+            g = linear("...d,dp->...p", x, self.per_layer_input_gate, self.dtype)
             g = gelu_tanh(g) * per_layer_input  # [..., T, P]
-            g = jnp.einsum("...p,pd->...d", g, self.per_layer_projection[...].astype(self.dtype))
+            g = linear("...p,pd->...d", g, self.per_layer_projection, self.dtype)
             x = residual + self.post_per_layer_input_norm(g)
         if self.layer_scalar is not None:
             x = x * self.layer_scalar[...].astype(x.dtype)

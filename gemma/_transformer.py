@@ -27,7 +27,7 @@ from flax import nnx
 
 from gemma._config import LayerRun, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
-from gemma._layers import Block, RMSNorm, _normal, check_moe_implementation
+from gemma._layers import Block, RMSNorm, StackedRow, _normal, check_moe_implementation
 from swajax import LayerRef
 
 
@@ -149,7 +149,16 @@ class Transformer(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         return _dense_forward(self, tokens, positions, segment_ids)
 
-    def forward(self, tokens, positions, *, attention_fn, attention_state, logits_indices=None):
+    def forward(
+        self,
+        tokens,
+        positions,
+        *,
+        attention_fn,
+        attention_state,
+        logits_indices=None,
+        weights_in_place=False,
+    ):
         """Logits f32[..., T, V] and the final attention_state, with attention through the hook.
 
         Args:
@@ -163,6 +172,10 @@ class Transformer(nnx.Module):
           logits_indices: optional i32[..., M] token indices (per row) whose logits
             are wanted: the output is then f32[..., M, V] and the unembedding runs
             on those tokens only (e.g. the last token of each packed sequence).
+          weights_in_place: scanned runs multiply by each layer's matrices where they lie
+            in the stacked parameters (`gemma._layers.StackedRow`) instead of slicing them
+            out, which XLA does by copying; for steps whose time is the weights' bytes
+            (decode). The same numbers up to the GEMMs' accumulation order.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -176,7 +189,7 @@ class Transformer(nnx.Module):
             )
             if run.scanned:
                 x, attention_state = _scan_run(
-                    run, blocks, x, positions, ple, attention_fn, attention_state
+                    run, blocks, x, positions, ple, attention_fn, attention_state, weights_in_place
                 )
                 continue
             for r, block in enumerate(blocks):
@@ -330,17 +343,31 @@ def _set_row(stack, x, c):
     return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), c, 0)
 
 
-def _scan_run(run: LayerRun, blocks, x, positions, ple, attention_fn, attention_state):
-    """The run's repetitions under one `lax.scan`: parameters sliced per repetition, the
-    activations and the attention state carried (pool roots update in place)."""
+def _scan_run(
+    run: LayerRun, blocks, x, positions, ple, attention_fn, attention_state, in_place=False
+):
+    """The run's repetitions under one `lax.scan`: parameters sliced per repetition (in_place:
+    the matrices left in the stack as `StackedRow`s, the vectors sliced), the activations and
+    the attention state carried (pool roots update in place)."""
     graphdef, stacked = nnx.split(blocks)
     if ple is not None:  # [..., T, run layers, P] -> [count, ..., T, period, P]
         ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
         ple = jnp.moveaxis(ple, -3, 0)
+    if in_place:
+        matrices = jax.tree.map(lambda a: a.ndim >= 3, stacked)
+        sliced = jax.tree.map(lambda a, m: None if m else a, stacked, matrices)
 
     def body(carry, xs):
         x, state = carry
         params, c, ple_c = xs
+        if in_place:  # the matrices' rows stay where they are; the vectors come sliced
+            params = jax.tree.map(
+                lambda a, m, v: StackedRow(a, c) if m else v,
+                stacked,
+                matrices,
+                params,
+                is_leaf=lambda v: v is None,
+            )
         for r, block in enumerate(nnx.merge(graphdef, params)):
             like = run.first + r
             layer = LayerRef(like, like + c * run.period)
@@ -349,7 +376,8 @@ def _scan_run(run: LayerRun, blocks, x, positions, ple, attention_fn, attention_
         return (x, state), None
 
     reps = jnp.arange(run.count, dtype=jnp.int32)
-    (x, attention_state), _ = jax.lax.scan(body, (x, attention_state), (stacked, reps, ple))
+    xs = (sliced if in_place else stacked, reps, ple)
+    (x, attention_state), _ = jax.lax.scan(body, (x, attention_state), xs)
     return x, attention_state
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 
 import chex
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -176,3 +178,87 @@ def test_layer_param_accessors():
         model.layer_param(0, "attn.nope")
     with pytest.raises(ValueError, match="not an array"):
         model.layer_param(0, "attn")
+
+
+def _dense_logits(model, tokens, weights_in_place):
+    from gemma._dense_attention import DenseAttentionState, dense_attention_fn
+
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+
+    @nnx.jit(static_argnums=2)
+    def forward(model, tokens, in_place):
+        state = DenseAttentionState(positions=positions, segment_ids=None)
+        logits, _ = model.forward(
+            tokens,
+            positions,
+            attention_fn=dense_attention_fn(model.config.layer_specs),
+            attention_state=state,
+            weights_in_place=in_place,
+        )
+        return logits
+
+    return np.asarray(forward(model, tokens, weights_in_place))
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_weights_in_place_matches_unrolled(case):
+    """The scan reading each layer's matrices in place (`weights_in_place`: the grouped matmul
+    over the whole stack, MoE experts included) gives the unrolled model's logits."""
+    scanned, unrolled = model_pair(case)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(1, 128, (2, 24)), jnp.int32)
+    got = _dense_logits(scanned, tokens, True)
+    chex.assert_trees_all_close(got, np.asarray(unrolled(tokens)), rtol=1e-5, atol=1e-5)
+
+
+def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
+    """Shapes of the stacked matrices (rank >= 3, a run's repetitions leading) that the traced
+    forward slices per layer: scan inputs (`xs`) and dynamic slices inside the scan body."""
+    from gemma._dense_attention import DenseAttentionState, dense_attention_fn
+
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+    graphdef, params = nnx.split(model)
+    stacked = {
+        tuple(a.shape)
+        for a in jax.tree.leaves(params)
+        if a.ndim >= 3 and a.shape[0] in {r.count for r in model.layer_runs if r.scanned}
+    }
+
+    rows = {shape[1:] for shape in stacked}
+
+    def forward(params):
+        m = nnx.merge(graphdef, params)
+        state = DenseAttentionState(positions=positions, segment_ids=None)
+        return m.forward(
+            tokens,
+            positions,
+            attention_fn=dense_attention_fn(m.config.layer_specs),
+            attention_state=state,
+            weights_in_place=weights_in_place,
+        )[0]
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":  # a body input of one layer's matrix shape
+                for v in eqn.params["jaxpr"].jaxpr.invars:
+                    if tuple(v.aval.shape) in rows:
+                        found.append(("xs", tuple(v.aval.shape)))
+            if eqn.primitive.name == "dynamic_slice":
+                if tuple(eqn.invars[0].aval.shape) in stacked:
+                    found.append(("dynamic_slice", tuple(eqn.invars[0].aval.shape)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(forward)(params).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("case", ["gemma4_shared_ple", "gemma4_moe"])
+def test_weights_in_place_slices_no_matrix(case):
+    """The scan slices every stacked matrix per layer by default; with `weights_in_place` it
+    slices none (the vectors still come sliced)."""
+    scanned, _ = model_pair(case)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    assert _sliced_operands(scanned, tokens, False)
+    assert _sliced_operands(scanned, tokens, True) == []
