@@ -49,6 +49,9 @@ for stage in "$@"; do
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
         --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
         ${PROBE_DUMP_HLO:+--dump-hlo} --out "$OUT/probe_ledger.json" ;;
+    probe-scan)  # the layer scan's weight copies: every form of a 12B-sized decode stack
+      run probe-scan "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_layer_scan.py \
+        --out "$OUT/probe_layer_scan_h200.json" ;;
     step-cache)  # the step cache on the GPU: plain / cold / warm processes, same tokens
       run step-cache "${STAGE_LIMIT_step_cache:-300}" python3 experiments/probe_step_cache.py \
         --preset "${PROBE_PRESET:-gemma4_e2b}" --out "$OUT/step_cache_h200.json" ;;

@@ -148,6 +148,9 @@ class Params:
     # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
     # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
     batch_invariant: bool = True
+    # `Engine(decode_weights_in_place=True)`: decode steps read each scanned layer's matrices
+    # in the stack instead of XLA's copy of them (NOTES v15).
+    decode_weights_in_place: bool = False
     # After a cell's timed run, this many of its requests run once more under the profiler
     # (`bench_generate.profile_run`: the device's busy time against the wall time, top
     # kernels); 0: none. Not part of the workload.
@@ -161,6 +164,7 @@ class Params:
         keys += ("max_num_tokens", "admission_headroom")
         # (recorded only when set, so that records of runs before the option stay comparable)
         keys += ("batch_invariant",) if self.batch_invariant else ()
+        keys += ("decode_weights_in_place",) if self.decode_weights_in_place else ()
         return {k: getattr(self, k) for k in keys}
 
 
@@ -478,6 +482,7 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
         implementation=params.implementation,
         admission_headroom=params.admission_headroom,
         batch_invariant=params.batch_invariant,
+        decode_weights_in_place=params.decode_weights_in_place,
     )
     if setup == "adaptive":
         engine.adapt_pool([len(p) for p in prompts], params.output_len)
@@ -924,6 +929,13 @@ def parse(argv=None):
         "Engine(batch_invariant=True), whose ON/OFF tokens do not depend on the batching",
     )
     p.add_argument(
+        "--decode-weights-in-place",
+        action="store_true",
+        default=None,
+        help="Engine(decode_weights_in_place=True): decode steps read each layer's matrices "
+        "in the stacked parameters (no per-layer copy)",
+    )
+    p.add_argument(
         "--profile",
         type=int,
         default=None,
@@ -957,6 +969,7 @@ def parse(argv=None):
             "cell_limit_s",
             "verify",
             "batch_invariant",
+            "decode_weights_in_place",
             "profile",
         )
         if getattr(args, k) is not None

@@ -63,8 +63,8 @@ class StackedRow:
     Indexing (`param[...]`) gives the sliced row, so every other use is unchanged.
     """
 
-    def __init__(self, stack: jax.Array, index: jax.Array):
-        self.stack, self.index = stack, index
+    def __init__(self, stack: jax.Array, index: jax.Array, implementation: str = "auto"):
+        self.stack, self.index, self.implementation = stack, index, implementation
 
     shape = property(lambda self: self.stack.shape[1:])
     dtype = property(lambda self: self.stack.dtype)
@@ -85,12 +85,18 @@ def stacked_matmul(x: jax.Array, stack: jax.Array, index, implementation: str = 
     return grouped_matmul(x, stack, sizes, implementation=implementation)
 
 
-def in_place_implementation(dtype, k: int, n: int) -> str:
-    """How `stacked_matmul` runs for [M, k] x [R, k, n] operands of `dtype`: 'pallas' on a
-    Hopper GPU where the kernel takes them, 'reference' (ragged_dot) on CPU, else 'slice'."""
-    if not on_gpu():
+IN_PLACE_IMPLEMENTATIONS = ("auto", "pallas", "reference")
+
+
+def in_place_implementation(dtype, k: int, n: int, requested: str = "auto") -> str:
+    """How `stacked_matmul` runs for [M, k] x [R, k, n] operands of `dtype`: 'pallas' where the
+    kernel takes them and it is asked for or ('auto') on a Hopper GPU, 'reference'
+    (ragged_dot) when asked for or ('auto') on CPU, else 'slice'."""
+    if requested == "reference" or (requested == "auto" and not on_gpu()):
         return "reference"
-    return "pallas" if on_hopper() and supports(dtype, k, n) else "slice"
+    if supports(dtype, k, n) and (requested == "pallas" or on_hopper()):
+        return "pallas"
+    return "slice"
 
 
 def linear(subscripts: str, x: jax.Array, param: nnx.Variable, dtype) -> jax.Array:
@@ -109,7 +115,7 @@ def linear(subscripts: str, x: jax.Array, param: nnx.Variable, dtype) -> jax.Arr
     kk, nn = math.prod(w.shape[:k]), math.prod(w.shape[k:])
     x2 = x.astype(dtype).reshape(-1, kk)
     stack = w.stack.reshape(w.stack.shape[0], kk, nn)
-    y = stacked_matmul(x2, stack, w.index, in_place_implementation(dtype, kk, nn))
+    y = stacked_matmul(x2, stack, w.index, in_place_implementation(dtype, kk, nn, w.implementation))
     return y.reshape(*x.shape[: x.ndim - k], *w.shape[k:])
 
 

@@ -27,7 +27,14 @@ from flax import nnx
 
 from gemma._config import LayerRun, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
-from gemma._layers import Block, RMSNorm, StackedRow, _normal, check_moe_implementation
+from gemma._layers import (
+    IN_PLACE_IMPLEMENTATIONS,
+    Block,
+    RMSNorm,
+    StackedRow,
+    _normal,
+    check_moe_implementation,
+)
 from swajax import LayerRef
 
 
@@ -172,10 +179,12 @@ class Transformer(nnx.Module):
           logits_indices: optional i32[..., M] token indices (per row) whose logits
             are wanted: the output is then f32[..., M, V] and the unembedding runs
             on those tokens only (e.g. the last token of each packed sequence).
-          weights_in_place: scanned runs multiply by each layer's matrices where they lie
-            in the stacked parameters (`gemma._layers.StackedRow`) instead of slicing them
+          weights_in_place: True / 'auto', 'pallas' or 'reference': scanned runs multiply by
+            each layer's matrices where they lie in the stacked parameters
+            (`gemma._layers.StackedRow`, the grouped matmul through its Hopper kernel or
+            ragged_dot, see `gemma._layers.in_place_implementation`) instead of slicing them
             out, which XLA does by copying; for steps whose time is the weights' bytes
-            (decode). The same numbers up to the GEMMs' accumulation order.
+            (decode). The same numbers up to the GEMMs' accumulation order. False: slice.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -353,6 +362,13 @@ def _scan_run(
     if ple is not None:  # [..., T, run layers, P] -> [count, ..., T, period, P]
         ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
         ple = jnp.moveaxis(ple, -3, 0)
+    if in_place is True:
+        in_place = "auto"
+    if in_place and in_place not in IN_PLACE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"weights_in_place must be False, True or one of {IN_PLACE_IMPLEMENTATIONS}, "
+            f"got {in_place!r}"
+        )
     if in_place:
         matrices = jax.tree.map(lambda a: a.ndim >= 3, stacked)
         sliced = jax.tree.map(lambda a, m: None if m else a, stacked, matrices)
@@ -362,7 +378,7 @@ def _scan_run(
         params, c, ple_c = xs
         if in_place:  # the matrices' rows stay where they are; the vectors come sliced
             params = jax.tree.map(
-                lambda a, m, v: StackedRow(a, c) if m else v,
+                lambda a, m, v: StackedRow(a, c, in_place) if m else v,
                 stacked,
                 matrices,
                 params,

@@ -235,6 +235,11 @@ class Engine:
         (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
         replicas (one step runs every replica's plan, and each replica's scheduler picks its
         own step kind).
+      decode_weights_in_place: decode steps multiply by each scanned layer's matrices where
+        they lie in the stacked parameters (`gemma.Transformer.forward(weights_in_place=True)`:
+        the grouped matmul with every row in the layer's group) instead of slicing them out,
+        which XLA does with a copy per matrix per layer. Prefill steps slice as before. Needs
+        mesh=None (ValueError otherwise) and a model whose `forward` takes the argument.
 
     With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
     whenever the engine is idle and the policy says so (see the module docstring); until the
@@ -262,6 +267,7 @@ class Engine:
         precompile: bool = False,
         mesh=None,
         batch_invariant: bool = False,
+        decode_weights_in_place: bool = False,
     ):
         enable_default_cache()
         config = model.config
@@ -289,6 +295,15 @@ class Engine:
             raise ValueError(f"admission_headroom must be in [0, 1), got {admission_headroom!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if not isinstance(decode_weights_in_place, bool):
+            raise ValueError(
+                f"decode_weights_in_place must be True or False, got {decode_weights_in_place!r}"
+            )
+        if decode_weights_in_place and mesh is not None:
+            raise ValueError(
+                "decode_weights_in_place=True needs mesh=None: the grouped matmul that reads a "
+                "layer's matrices in the stack is not partitioned over devices"
+            )
         if batch_invariant and min_bucket != max_num_tokens:
             raise ValueError(
                 f"batch_invariant=True runs every prefill step at max_num_tokens={max_num_tokens} "
@@ -337,6 +352,7 @@ class Engine:
         self.chunk = chunk
         self.min_prefill_bucket = min(min_bucket, max_num_tokens)
         self.batch_invariant = batch_invariant
+        self.decode_weights_in_place = decode_weights_in_place
         self.vocab_size = config.vocab_size
         self.implementation = implementation
         self.max_shares = min(16, max_batch + prefix_cache_rows) if prefix_cache_rows else 0
@@ -624,6 +640,11 @@ class Engine:
                 sampling_mode=mode,
                 logits=logits,
                 mesh=self.mesh,
+                weights_in_place=(
+                    (self.implementation if self.implementation == "pallas" else "auto")
+                    if decode and self.decode_weights_in_place
+                    else False
+                ),
             )
         return self._steps[key]
 

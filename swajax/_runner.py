@@ -111,6 +111,7 @@ def _step(
     implementation: str,
     sampling_mode: str,
     return_logits: bool,
+    weights_in_place: bool | str = False,
 ) -> StepOutput:
     ok, state = bookkeeping_before(layout, state, inputs.free_a, inputs.shares_a, inputs.free_b)
     reserved, state = reserve(layout, state, inputs.new_tokens)
@@ -139,6 +140,7 @@ def _step(
         attention_fn=attention_fn,
         attention_state=state.pools,
         logits_indices=last,
+        weights_in_place=weights_in_place,
     )  # [B, V]: only each row's last new token is unembedded
     keys = token_keys(inputs.key_data, inputs.token_index)
     next_tokens = sample(
@@ -192,6 +194,7 @@ def step_function(
     sampling_mode: str,
     logits: bool,
     mesh=None,
+    weights_in_place: bool | str = False,
 ):
     """The jitted step with its static arguments bound (state and tables donated); without a
     mesh wrapped in a `swajax._step_cache.CachedStep` (called the same way; exported steps kept
@@ -205,7 +208,11 @@ def step_function(
     tables, previous tokens, inputs and every output hold the dp replicas' arrays concatenated
     along their first axis (`ok` becomes bool[dp]) and the step runs on each replica
     (`swajax._sharding.per_replica`); the parameters are shared.
+
+    weights_in_place: False, or how the model's scanned runs read each layer's matrices in
+    place ('auto' or 'pallas', `gemma.Transformer.forward`); one device only.
     """
+    assert not (weights_in_place and mesh is not None), "weights_in_place needs one device"
     bound = functools.partial(
         _traced_step,
         graphdef=graphdef,
@@ -214,6 +221,7 @@ def step_function(
         implementation=implementation,
         sampling_mode=sampling_mode,
         return_logits=logits,
+        weights_in_place=weights_in_place,
     )
     if mesh is None:
         options = dict(STEP_COMPILER_OPTIONS)
@@ -225,6 +233,7 @@ def step_function(
             implementation,
             sampling_mode,
             logits,
+            weights_in_place,
         ]
         return _step_cache.CachedStep(
             jitted,

@@ -110,6 +110,7 @@ def run_engine(
     collect=False,
     implementation="reference",
     poison=True,
+    engine_kw=None,
     **kw,
 ):
     max_batch = max_batch or len(prompts)
@@ -121,6 +122,7 @@ def run_engine(
         prefill_chunk_size=chunk,
         implementation=implementation,
         min_prefill_bucket=max_batch * chunk,
+        **(engine_kw or {}),
     )
     if poison:
         # Every page starts as NaN: a read of a page nobody wrote this run poisons the logits.

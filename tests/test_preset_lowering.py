@@ -119,7 +119,7 @@ def test_engine_steps_lower_for_cuda(name):
     """A whole prefill step and decode step of every preset (small_preset: the real attention
     geometry, KV sharing, K=V, PLE and MoE) lower for CUDA with the Pallas kernels: kv_write,
     prefill, decode, the page-table gather and (MoE) the grouped matmul, scratch reuse on and a
-    chunk over the window."""
+    chunk over the window; and the decode step with the weights read in place."""
     from flax import nnx
 
     import gemma
@@ -149,3 +149,19 @@ def test_engine_steps_lower_for_cuda(name):
             lowered = engine.lower_step(num_tokens, decode=decode, lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert "mosaic_gpu" in text, (name, decode)
+    # The decode step reading every scanned layer's matrices in place: the grouped matmul's
+    # Mosaic kernel joins the attention kernels, and fewer dynamic slices remain.
+    in_place = swajax.Engine(
+        model,
+        kv,
+        max_context=4 * chunk,
+        max_batch=4,
+        prefill_chunk_size=chunk,
+        implementation="pallas",
+        decode_weights_in_place=True,
+    )
+    with _checks.force_compiled():
+        lowered = in_place.lower_step(8, decode=True, lowering_platforms=("cuda",))
+    in_place_text = lowered.as_text()
+    assert in_place_text.count("mosaic_gpu") > text.count("mosaic_gpu"), name
+    assert in_place_text.count("dynamic_slice") < text.count("dynamic_slice"), name
