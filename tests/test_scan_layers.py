@@ -290,3 +290,77 @@ def test_decode_weights_in_place_is_checked():
             chunk=16,
             engine_kw=dict(decode_weights_in_place=True, mesh=jax.make_mesh((1,), ("model",))),
         )
+
+
+def _stacked_products(name: str) -> set[tuple[int, int, int]]:
+    """(groups, K, N) of every in-place product of preset `name` at full size: each scanned
+    run's stacked matrices as `linear` and the MoE experts multiply by them."""
+    from gemma._checkpoint import abstract_model
+
+    model = abstract_model(gemma.configs.preset(name), jnp.bfloat16)
+    products = set()
+    for run, blocks in zip(model.layer_runs, model.blocks, strict=True):
+        if not run.scanned:
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(blocks)):
+            shape, keys = leaf.shape, [str(getattr(k, "key", k)) for k in path]
+            if len(shape) < 3:
+                continue
+            if "moe" in keys and len(shape) == 4:  # experts [R, E, K, N]
+                products.add((shape[0] * shape[1], shape[2], shape[3]))
+            elif "o_proj" in keys:  # [R, N, H, D]
+                products.add((shape[0], shape[1] * shape[2], shape[3]))
+            elif len(shape) == 4:  # q/k/v [R, D, N, H]
+                products.add((shape[0], shape[1], shape[2] * shape[3]))
+            else:
+                products.add(shape)
+    return products
+
+
+STACKED_PRODUCTS = sorted(set().union(*map(_stacked_products, gemma.configs.PRESET_NAMES)))
+
+
+def test_stacked_matmul_lowers_for_cuda_at_preset_geometries():
+    """Every preset's in-place product at full size lowers for CUDA through the grouped
+    matmul's Mosaic kernel (TMA boxes, shared memory), at a decode step's rows; products the
+    kernel does not take fall back to the slice, as `in_place_implementation` says."""
+    from gemma._layers import in_place_implementation, stacked_matmul
+    from pallas_kernels import _checks
+
+    # One lowering per (K, N) at its largest group count: the groups size only group_sizes.
+    largest = {}
+    for g, k, n in STACKED_PRODUCTS:
+        largest[k, n] = max(g, largest.get((k, n), 0))
+    assert len(largest) > 10
+    kernels = 0
+    for (k, n), g in sorted(largest.items()):
+        impl = in_place_implementation(jnp.bfloat16, k, n, "pallas")
+        sds = jax.ShapeDtypeStruct
+        args = (sds((8, k), jnp.bfloat16), sds((g, k, n), jnp.bfloat16), sds((), jnp.int32))
+        f = jax.jit(lambda x, w, i, impl=impl: stacked_matmul(x, w, i, impl))
+        with _checks.force_compiled():
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mosaic_gpu" in text) == (impl == "pallas"), (g, k, n)
+        kernels += impl == "pallas"
+    assert kernels == len(largest)  # every preset product takes the kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_stacked_matmul_reads_one_row_on_gpu(rows):
+    """The in-place product of every preset geometry against a float64 oracle, the stack's
+    other rows NaN: the kernel must read layer `index` only."""
+    from gemma._layers import stacked_matmul
+
+    rng = np.random.default_rng(rows)
+    for g, k, n in STACKED_PRODUCTS:
+        index = int(rng.integers(g))
+        x = jnp.asarray(rng.standard_normal((rows, k)) / np.sqrt(k), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        stack = jnp.full((g, k, n), jnp.nan, jnp.bfloat16).at[index].set(w)
+        got = jax.jit(lambda x, s, i: stacked_matmul(x, s, i, "pallas"))(x, stack, index)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), (g, k, n)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        del stack
