@@ -342,7 +342,7 @@ class MoE(nnx.Module):
 
         def gmm(lhs, param):
             w = param.get_value()
-            if isinstance(w, StackedRow) and impl != "dense" and w.dtype == self.dtype:
+            if isinstance(w, StackedRow) and w.dtype == self.dtype:
                 # The run's whole stack [R * E, K, N], this layer's experts' groups in place.
                 stack = w.stack.reshape(-1, *w.shape[1:])
                 sizes = jnp.zeros((stack.shape[0],), jnp.int32)

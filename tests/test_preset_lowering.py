@@ -119,7 +119,7 @@ def test_engine_steps_lower_for_cuda(name):
     """A whole prefill step and decode step of every preset (small_preset: the real attention
     geometry, KV sharing, K=V, PLE and MoE) lower for CUDA with the Pallas kernels: kv_write,
     prefill, decode, the page-table gather and (MoE) the grouped matmul, scratch reuse on and a
-    chunk over the window; and the decode step with the weights read in place."""
+    chunk over the window; and (three presets) the decode step with the weights read in place."""
     from flax import nnx
 
     import gemma
@@ -150,7 +150,11 @@ def test_engine_steps_lower_for_cuda(name):
         text = lowered.as_text()
         assert "mosaic_gpu" in text, (name, decode)
     # The decode step reading every scanned layer's matrices in place: the grouped matmul's
-    # Mosaic kernel joins the attention kernels, and fewer dynamic slices remain.
+    # Mosaic kernel joins the attention kernels, and fewer dynamic slices remain. One dense
+    # Gemma 3, one Gemma 4 with PLE and KV sharing, the MoE (every full-size product's kernel
+    # lowers in test_scan_layers.py::test_stacked_matmul_lowers_for_cuda_at_preset_geometries).
+    if name not in ("gemma3_4b", "gemma4_e2b", "gemma4_26b_a4b"):
+        return
     in_place = swajax.Engine(
         model,
         kv,
