@@ -397,13 +397,14 @@ def _scan_run(
     return x, attention_state
 
 
-@nnx.jit
-def _dense_forward(model: Transformer, tokens, positions, segment_ids):
+@functools.partial(nnx.jit, static_argnames="weights_in_place")
+def _dense_forward(model: Transformer, tokens, positions, segment_ids, weights_in_place=False):
     state = DenseAttentionState(positions=positions, segment_ids=segment_ids)
     logits, _ = model.forward(
         tokens,
         positions,
         attention_fn=dense_attention_fn(model.config.layer_specs),
         attention_state=state,
+        weights_in_place=weights_in_place,
     )
     return logits

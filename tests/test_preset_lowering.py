@@ -135,14 +135,10 @@ def test_engine_steps_lower_for_cuda(name):
     )
     chunk = 2 * config.sliding_window
     kv = swajax.KVCacheConfig(page_size=32, max_gpu_total_bytes=64 << 20)
-    engine = swajax.Engine(
-        model,
-        kv,
-        max_context=4 * chunk,
-        max_batch=4,
-        prefill_chunk_size=chunk,
-        implementation="pallas",
+    engine_kw = dict(
+        max_context=4 * chunk, max_batch=4, prefill_chunk_size=chunk, implementation="pallas"
     )
+    engine = swajax.Engine(model, kv, **engine_kw)
     assert engine.layout.scratch
     for num_tokens, decode in ((chunk, False), (8, True)):
         with _checks.force_compiled():
@@ -155,15 +151,7 @@ def test_engine_steps_lower_for_cuda(name):
     # lowers in test_scan_layers.py::test_stacked_matmul_lowers_for_cuda_at_preset_geometries).
     if name not in ("gemma3_4b", "gemma4_e2b", "gemma4_26b_a4b"):
         return
-    in_place = swajax.Engine(
-        model,
-        kv,
-        max_context=4 * chunk,
-        max_batch=4,
-        prefill_chunk_size=chunk,
-        implementation="pallas",
-        decode_weights_in_place=True,
-    )
+    in_place = swajax.Engine(model, kv, **engine_kw, decode_weights_in_place=True)
     with _checks.force_compiled():
         lowered = in_place.lower_step(8, decode=True, lowering_platforms=("cuda",))
     in_place_text = lowered.as_text()

@@ -21,6 +21,7 @@ from test_generate import _logits_by_token, prompts_of, run_engine, tiny_gemma3,
 
 import gemma
 import swajax
+from gemma._transformer import _dense_forward
 
 
 def runs_of(config):
@@ -187,23 +188,8 @@ def test_layer_param_accessors():
 
 
 def _dense_logits(model, tokens, weights_in_place):
-    from gemma._dense_attention import DenseAttentionState, dense_attention_fn
-
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
-
-    @nnx.jit(static_argnums=2)
-    def forward(model, tokens, in_place):
-        state = DenseAttentionState(positions=positions, segment_ids=None)
-        logits, _ = model.forward(
-            tokens,
-            positions,
-            attention_fn=dense_attention_fn(model.config.layer_specs),
-            attention_state=state,
-            weights_in_place=in_place,
-        )
-        return logits
-
-    return np.asarray(forward(model, tokens, weights_in_place))
+    return np.asarray(_dense_forward(model, tokens, positions, None, weights_in_place))
 
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
@@ -219,7 +205,6 @@ def test_weights_in_place_matches_unrolled(case):
 def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
     """Shapes of the stacked matrices (rank >= 3, a run's repetitions leading) that the traced
     forward slices per layer: scan inputs (`xs`) and dynamic slices inside the scan body."""
-    from gemma._dense_attention import DenseAttentionState, dense_attention_fn
 
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
     graphdef, params = nnx.split(model)
@@ -232,15 +217,9 @@ def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
     rows = {shape[1:] for shape in stacked}
 
     def forward(params):
-        m = nnx.merge(graphdef, params)
-        state = DenseAttentionState(positions=positions, segment_ids=None)
-        return m.forward(
-            tokens,
-            positions,
-            attention_fn=dense_attention_fn(m.config.layer_specs),
-            attention_state=state,
-            weights_in_place=weights_in_place,
-        )[0]
+        return _dense_forward(
+            nnx.merge(graphdef, params), tokens, positions, None, weights_in_place
+        )
 
     found = []
 
