@@ -148,8 +148,9 @@ class Params:
     # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
     # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
     batch_invariant: bool = True
-    # `Engine(decode_weights_in_place=True)`: decode steps read each scanned layer's matrices
-    # in the stack instead of XLA's copy of them (NOTES v15).
+    # `Engine(decode_weights_in_place=True)`: decode steps unroll the layers with static
+    # slices, which the GEMMs read in place, instead of the scan's copy of every matrix
+    # (NOTES v15, v16).
     decode_weights_in_place: bool = False
     # After a cell's timed run, this many of its requests run once more under the profiler
     # (`bench_generate.profile_run`: the device's busy time against the wall time, top
@@ -932,8 +933,8 @@ def parse(argv=None):
         "--decode-weights-in-place",
         action="store_true",
         default=None,
-        help="Engine(decode_weights_in_place=True): decode steps read each layer's matrices "
-        "in the stacked parameters (no per-layer copy)",
+        help="Engine(decode_weights_in_place=True): decode steps unroll the layers and read "
+        "each layer's matrices in the stacked parameters (no per-layer copy)",
     )
     p.add_argument(
         "--profile",

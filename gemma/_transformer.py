@@ -28,7 +28,6 @@ from flax import nnx
 from gemma._config import LayerRun, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
 from gemma._layers import (
-    IN_PLACE_IMPLEMENTATIONS,
     Block,
     RMSNorm,
     StackedRow,
@@ -36,6 +35,11 @@ from gemma._layers import (
     check_moe_implementation,
 )
 from swajax import LayerRef
+
+# How scanned runs read each layer's matrices (`Transformer.forward(weights_in_place=...)`):
+# 'unrolled' (static slices, what True means), 'grouped' (the grouped matmul over the stack,
+# Hopper kernel where it applies) or its implementations 'pallas' / 'reference'.
+WEIGHTS_IN_PLACE = ("unrolled", "grouped", "pallas", "reference")
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -179,12 +183,15 @@ class Transformer(nnx.Module):
           logits_indices: optional i32[..., M] token indices (per row) whose logits
             are wanted: the output is then f32[..., M, V] and the unembedding runs
             on those tokens only (e.g. the last token of each packed sequence).
-          weights_in_place: True / 'auto', 'pallas' or 'reference': scanned runs multiply by
-            each layer's matrices where they lie in the stacked parameters
-            (`gemma._layers.StackedRow`, the grouped matmul through its Hopper kernel or
-            ragged_dot, see `gemma._layers.in_place_implementation`) instead of slicing them
-            out, which XLA does by copying; for steps whose time is the weights' bytes
-            (decode). The same numbers up to the GEMMs' accumulation order. False: slice.
+          weights_in_place: how scanned runs read each layer's matrices. False: `lax.scan`
+            slicing them per repetition, which XLA does by copying each matrix before its
+            GEMM (a fixed cost per step, about twice the weights' bytes; see
+            `experiments/probe_layer_scan.py`). True / 'unrolled': the run unrolled with
+            static slices, which XLA fuses into the GEMMs (no copies; traced and compiled
+            per layer): for steps whose time is the weights' bytes (decode). 'grouped' (or
+            its implementations 'pallas' / 'reference'): the scan kept, each matrix
+            multiplied in the stack by the grouped matmul (`gemma._layers.StackedRow`). The
+            same numbers up to the GEMMs' accumulation order.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -363,12 +370,15 @@ def _scan_run(
         ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
         ple = jnp.moveaxis(ple, -3, 0)
     if in_place is True:
-        in_place = "auto"
-    if in_place and in_place not in IN_PLACE_IMPLEMENTATIONS:
+        in_place = "unrolled"
+    if in_place and in_place not in WEIGHTS_IN_PLACE:
         raise ValueError(
-            f"weights_in_place must be False, True or one of {IN_PLACE_IMPLEMENTATIONS}, "
-            f"got {in_place!r}"
+            f"weights_in_place must be False, True or one of {WEIGHTS_IN_PLACE}, got {in_place!r}"
         )
+    if in_place == "grouped":
+        in_place = "auto"
+    if in_place == "unrolled":
+        return _unrolled_run(run, graphdef, stacked, x, positions, ple, attention_fn, attention_state)
     if in_place:
         matrices = jax.tree.map(lambda a: a.ndim >= 3, stacked)
         sliced = jax.tree.map(lambda a, m: None if m else a, stacked, matrices)
@@ -395,6 +405,21 @@ def _scan_run(
     xs = (sliced if in_place else stacked, reps, ple)
     (x, attention_state), _ = jax.lax.scan(body, (x, attention_state), xs)
     return x, attention_state
+
+
+def _unrolled_run(run: LayerRun, graphdef, stacked, x, positions, ple, attention_fn, state):
+    """The run's repetitions one after another in the traced program, each taking its
+    parameters as static slices of the stacks: XLA fuses a static slice of a parameter into the
+    GEMM that reads it, so the weights are read where they lie (no copies), at the cost of
+    tracing and compiling every layer."""
+    for c in range(run.count):
+        params = jax.tree.map(lambda a, c=c: jax.lax.index_in_dim(a, c, keepdims=False), stacked)
+        for r, block in enumerate(nnx.merge(graphdef, params)):
+            like = run.first + r
+            p = None if ple is None else ple[c][..., r, :]
+            layer = LayerRef.of(like + c * run.period)  # unrolled: the layer is its own like
+            x, state = block(x, positions, p, attention_fn, state, layer)
+    return x, state
 
 
 @functools.partial(nnx.jit, static_argnames="weights_in_place")

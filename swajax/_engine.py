@@ -235,11 +235,12 @@ class Engine:
         (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
         replicas (one step runs every replica's plan, and each replica's scheduler picks its
         own step kind).
-      decode_weights_in_place: decode steps multiply by each scanned layer's matrices where
-        they lie in the stacked parameters (`gemma.Transformer.forward(weights_in_place=True)`:
-        the grouped matmul with every row in the layer's group) instead of slicing them out,
-        which XLA does with a copy per matrix per layer. Prefill steps slice as before. Needs
-        mesh=None (ValueError otherwise) and a model whose `forward` takes the argument.
+      decode_weights_in_place: how decode steps read each scanned layer's matrices (see
+        `gemma.Transformer.forward(weights_in_place=...)`): False slices them under the layer
+        scan (XLA copies each one per step); True unrolls the layers with static slices,
+        which the GEMMs read where they lie (decode steps compile per layer); 'grouped'
+        keeps the scan and multiplies in the stack through the grouped matmul (needs
+        mesh=None, ValueError otherwise). Prefill steps always scan.
 
     With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
     whenever the engine is idle and the policy says so (see the module docstring); until the
@@ -295,14 +296,15 @@ class Engine:
             raise ValueError(f"admission_headroom must be in [0, 1), got {admission_headroom!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if not isinstance(decode_weights_in_place, bool):
+        if not (isinstance(decode_weights_in_place, bool) or decode_weights_in_place == "grouped"):
             raise ValueError(
-                f"decode_weights_in_place must be True or False, got {decode_weights_in_place!r}"
+                "decode_weights_in_place must be True, False or 'grouped', got "
+                f"{decode_weights_in_place!r}"
             )
-        if decode_weights_in_place and mesh is not None:
+        if decode_weights_in_place == "grouped" and mesh is not None:
             raise ValueError(
-                "decode_weights_in_place=True needs mesh=None: the grouped matmul that reads a "
-                "layer's matrices in the stack is not partitioned over devices"
+                "decode_weights_in_place='grouped' needs mesh=None: the grouped matmul that "
+                "reads a layer's matrices in the stack is not partitioned over devices"
             )
         if batch_invariant and min_bucket != max_num_tokens:
             raise ValueError(
@@ -641,9 +643,13 @@ class Engine:
                 logits=logits,
                 mesh=self.mesh,
                 weights_in_place=(
-                    (self.implementation if self.implementation == "pallas" else "auto")
-                    if decode and self.decode_weights_in_place
-                    else False
+                    False
+                    if not (decode and self.decode_weights_in_place)
+                    else "unrolled"
+                    if self.decode_weights_in_place is True
+                    else "pallas"
+                    if self.implementation == "pallas"
+                    else "grouped"
                 ),
             )
         return self._steps[key]

@@ -210,9 +210,9 @@ def step_function(
     (`swajax._sharding.per_replica`); the parameters are shared.
 
     weights_in_place: False, or how the model's scanned runs read each layer's matrices in
-    place ('auto' or 'pallas', `gemma.Transformer.forward`); one device only.
+    place (`gemma.Transformer.forward`): 'unrolled', or 'grouped' / 'pallas' (one device only).
     """
-    assert not (weights_in_place and mesh is not None), "weights_in_place needs one device"
+    assert weights_in_place in (False, "unrolled") or mesh is None, "grouped needs one device"
     bound = functools.partial(
         _traced_step,
         graphdef=graphdef,

@@ -450,7 +450,10 @@ def layer_page_table(layout: KVLayout, tables, layer: int | LayerRef) -> jax.Arr
     """
     like, index = layer if isinstance(layer, LayerRef) else (layer, layer)
     pool, j = layout.layer_table_index(like)
-    if not isinstance(index, int):
+    if isinstance(index, int):  # a static index: its own position (the pool is like's)
+        assert layout.layer_table_index(index)[0] == pool, (like, index)
+        j = layout.layer_table_index(index)[1]
+    else:
         positions = np.asarray([j for _, j in layout.layer_pool], np.int32)  # [L]
         j = jnp.asarray(positions)[index]
     t = tables[pool]

@@ -145,15 +145,24 @@ def test_engine_steps_lower_for_cuda(name):
             lowered = engine.lower_step(num_tokens, decode=decode, lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert "mosaic_gpu" in text, (name, decode)
-    # The decode step reading every scanned layer's matrices in place: the grouped matmul's
-    # Mosaic kernel joins the attention kernels, and fewer dynamic slices remain. One dense
-    # Gemma 3, one Gemma 4 with PLE and KV sharing, the MoE (every full-size product's kernel
-    # lowers in test_scan_layers.py::test_stacked_matmul_lowers_for_cuda_at_preset_geometries).
+    # The decode step reading every scanned layer's matrices in place. Grouped: the grouped
+    # matmul's Mosaic kernel joins the attention kernels, and fewer dynamic slices remain. One
+    # dense Gemma 3, one Gemma 4 with PLE and KV sharing, the MoE (every full-size product's
+    # kernel lowers in test_scan_layers.py::test_stacked_matmul_lowers_for_cuda_at_preset_
+    # geometries). Unrolled (E2B): the same kernels, no layer loop.
     if name not in ("gemma3_4b", "gemma4_e2b", "gemma4_26b_a4b"):
         return
-    in_place = swajax.Engine(model, kv, **engine_kw, decode_weights_in_place=True)
+    in_place = swajax.Engine(model, kv, **engine_kw, decode_weights_in_place="grouped")
     with _checks.force_compiled():
         lowered = in_place.lower_step(8, decode=True, lowering_platforms=("cuda",))
     in_place_text = lowered.as_text()
     assert in_place_text.count("mosaic_gpu") > text.count("mosaic_gpu"), name
     assert in_place_text.count("dynamic_slice") < text.count("dynamic_slice"), name
+    if name != "gemma4_e2b":
+        return
+    unrolled = swajax.Engine(model, kv, **engine_kw, decode_weights_in_place=True)
+    with _checks.force_compiled():
+        lowered = unrolled.lower_step(8, decode=True, lowering_platforms=("cuda",))
+    unrolled_text = lowered.as_text()
+    assert "stablehlo.while" in text and "stablehlo.while" not in unrolled_text, name
+    assert "mosaic_gpu" in unrolled_text, name

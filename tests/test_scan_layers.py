@@ -123,17 +123,23 @@ def test_scan_matches_unrolled_dense(case):
 
 @pytest.mark.parametrize(
     "case, scratch, in_place",
-    [("gemma3", False, False), ("gemma4_shared_ple", True, False), ("gemma4_moe", True, True)],
+    [
+        ("gemma3", False, False),
+        ("gemma4_shared_ple", True, False),
+        ("gemma4_shared_ple", False, True),
+        ("gemma4_moe", True, "grouped"),
+    ],
 )
 def test_scan_matches_unrolled_paged(case, scratch, in_place):
     """Chunked prefill larger than the window, then decode: the same greedy tokens and logits
-    within 1e-6 (1e-5 with the decode steps reading the weights in place, whose grouped
-    matmul accumulates in another order), with scratch reuse on and off."""
+    within 1e-6 (1e-5 with the decode steps reading the weights in place: unrolled over static
+    slices, or the grouped matmul, which accumulates in another order), with scratch reuse on
+    and off."""
     scanned, unrolled = model_pair(case)
     prompts = prompts_of([70, 33, 9], seed=5)
     runs = {}
     for name, model in (("scan", scanned), ("unrolled", unrolled)):
-        engine_kw = dict(decode_weights_in_place=in_place and name == "scan")
+        engine_kw = dict(decode_weights_in_place=in_place if name == "scan" else False)
         engine, outputs, stats = run_engine(
             model, prompts, 6, scratch=scratch, chunk=48, collect=True, engine_kw=engine_kw
         )
@@ -192,13 +198,15 @@ def _dense_logits(model, tokens, weights_in_place):
     return np.asarray(_dense_forward(model, tokens, positions, None, weights_in_place))
 
 
+@pytest.mark.parametrize("form", ["unrolled", "grouped"])
 @pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_weights_in_place_matches_unrolled(case):
-    """The scan reading each layer's matrices in place (`weights_in_place`: the grouped matmul
-    over the whole stack, MoE experts included) gives the unrolled model's logits."""
+def test_weights_in_place_matches_unrolled(case, form):
+    """The scanned model reading each layer's matrices in place (`weights_in_place`: unrolled
+    over static slices of the stacks, or the grouped matmul over the whole stack, MoE experts
+    included) gives the per-layer unrolled model's logits."""
     scanned, unrolled = model_pair(case)
     tokens = jnp.asarray(np.random.default_rng(2).integers(1, 128, (2, 24)), jnp.int32)
-    got = _dense_logits(scanned, tokens, True)
+    got = _dense_logits(scanned, tokens, form)
     chex.assert_trees_all_close(got, np.asarray(unrolled(tokens)), rtol=1e-5, atol=1e-5)
 
 
@@ -241,17 +249,19 @@ def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
 
 @pytest.mark.parametrize("case", ["gemma4_shared_ple", "gemma4_moe"])
 def test_weights_in_place_slices_no_matrix(case):
-    """The scan slices every stacked matrix per layer by default; with `weights_in_place` it
-    slices none (the vectors still come sliced)."""
+    """The scan slices every stacked matrix per layer by default (dynamically: XLA copies
+    each); in place it slices none dynamically (unrolled: static slices, which XLA fuses
+    into the GEMMs; grouped: the vectors still come sliced)."""
     scanned, _ = model_pair(case)
     tokens = jnp.ones((1, 8), jnp.int32)
     assert _sliced_operands(scanned, tokens, False)
+    assert _sliced_operands(scanned, tokens, "grouped") == []
     assert _sliced_operands(scanned, tokens, True) == []
 
 
 def test_decode_weights_in_place_is_checked():
     scanned, _ = model_pair("gemma3")
-    with pytest.raises(ValueError, match="decode_weights_in_place must be True or False"):
+    with pytest.raises(ValueError, match="decode_weights_in_place must be True, False or"):
         run_engine(
             scanned,
             prompts_of([9]),
@@ -267,7 +277,9 @@ def test_decode_weights_in_place_is_checked():
             2,
             scratch=False,
             chunk=16,
-            engine_kw=dict(decode_weights_in_place=True, mesh=jax.make_mesh((1,), ("model",))),
+            engine_kw=dict(
+                decode_weights_in_place="grouped", mesh=jax.make_mesh((1,), ("model",))
+            ),
         )
 
 
