@@ -378,7 +378,9 @@ def _scan_run(
     if in_place == "grouped":
         in_place = "auto"
     if in_place == "unrolled":
-        return _unrolled_run(run, graphdef, stacked, x, positions, ple, attention_fn, attention_state)
+        return _unrolled_run(
+            run, graphdef, stacked, x, positions, ple, attention_fn, attention_state
+        )
     if in_place:
         matrices = jax.tree.map(lambda a: a.ndim >= 3, stacked)
         sliced = jax.tree.map(lambda a, m: None if m else a, stacked, matrices)

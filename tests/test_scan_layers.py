@@ -277,9 +277,7 @@ def test_decode_weights_in_place_is_checked():
             2,
             scratch=False,
             chunk=16,
-            engine_kw=dict(
-                decode_weights_in_place="grouped", mesh=jax.make_mesh((1,), ("model",))
-            ),
+            engine_kw=dict(decode_weights_in_place="grouped", mesh=jax.make_mesh((1,), ("model",))),
         )
 
 
