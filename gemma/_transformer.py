@@ -413,15 +413,32 @@ def _unrolled_run(run: LayerRun, graphdef, stacked, x, positions, ple, attention
     """The run's repetitions one after another in the traced program, each taking its
     parameters as static slices of the stacks: XLA fuses a static slice of a parameter into the
     GEMM that reads it, so the weights are read where they lie (no copies), at the cost of
-    tracing and compiling every layer."""
+    tracing and compiling every layer. The MoE experts' stacks are the exception: their
+    grouped matmul is a custom call, which XLA cannot fuse a slice into, so they stay whole as
+    `StackedRow`s (the kernel reads this layer's experts where they lie)."""
+
+    def row(path, a, c):
+        if _is_expert_stack(path):
+            return StackedRow(a, c)
+        return jax.lax.index_in_dim(a, c, keepdims=False)
+
     for c in range(run.count):
-        params = jax.tree.map(lambda a, c=c: jax.lax.index_in_dim(a, c, keepdims=False), stacked)
+        params = jax.tree_util.tree_map_with_path(lambda p, a, c=c: row(p, a, c), stacked)
         for r, block in enumerate(nnx.merge(graphdef, params)):
             like = run.first + r
             p = None if ple is None else ple[c][..., r, :]
             layer = LayerRef.of(like + c * run.period)  # unrolled: the layer is its own like
             x, state = block(x, positions, p, attention_fn, state, layer)
     return x, state
+
+
+def _is_expert_stack(path) -> bool:
+    """Whether a parameter path (`jax.tree_util` keys) names an MoE expert matrix."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return any(
+        a == "moe" and b in ("gate_proj", "up_proj", "down_proj")
+        for a, b in zip(keys, keys[1:], strict=False)
+    )
 
 
 @functools.partial(nnx.jit, static_argnames="weights_in_place")

@@ -9,6 +9,7 @@ dense forward and through the paged engine; the lowered step's size at two depth
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -257,6 +258,50 @@ def test_weights_in_place_slices_no_matrix(case):
     assert _sliced_operands(scanned, tokens, False)
     assert _sliced_operands(scanned, tokens, "grouped") == []
     assert _sliced_operands(scanned, tokens, True) == []
+
+
+def _slices_of(jaxpr, shapes) -> list[tuple]:
+    """(primitive, shape) of every slice, dynamic slice or gather of an operand whose shape is
+    in `shapes`, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("slice", "dynamic_slice", "gather"):
+            if tuple(eqn.invars[0].aval.shape) in shapes:
+                found.append((eqn.primitive.name, tuple(eqn.invars[0].aval.shape)))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _slices_of(sub, shapes)
+    return found
+
+
+def test_unrolled_reads_expert_stacks_in_place():
+    """Unrolled, the dense matrices come as static slices (fused into their GEMMs), but the
+    experts' grouped matmul is a custom call that would get a copy of a sliced stack: the
+    experts are passed whole, this layer's groups selected by their sizes."""
+    scanned, _ = model_pair("gemma4_moe")
+    tokens = jnp.ones((1, 8), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
+    graphdef, params = nnx.split(scanned)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+
+    def shapes(pattern):
+        return {tuple(a.shape) for p, a in leaves if re.search(pattern, jax.tree_util.keystr(p))}
+
+    expert_pattern = r"\['moe'\]\['(gate|up|down)_proj'\]"
+    others = {
+        tuple(a.shape) for p, a in leaves if not re.search(expert_pattern, jax.tree_util.keystr(p))
+    }
+    # The stacks (a run's repetitions leading) of shapes no other parameter has.
+    experts = {s for s in shapes(expert_pattern) - others if len(s) == 4}
+    dense = {s for s in shapes(r"\['mlp'\]\['(gate|up|down)_proj'\]") if s[0] > 1}
+    assert experts and dense and not experts & dense
+
+    def forward(params):
+        model = nnx.merge(graphdef, params)
+        return _dense_forward(model, tokens, positions, None, True)
+
+    jaxpr = jax.make_jaxpr(forward)(params).jaxpr
+    assert _slices_of(jaxpr, dense)  # the dense MLP's stacks: static slices
+    assert _slices_of(jaxpr, experts) == []
 
 
 def test_decode_weights_in_place_is_checked():
