@@ -228,6 +228,8 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     recs = {(r["setup"], r["scratch"]): r for r in data["records"]}
     assert set(recs) == {("pinned_8k", False), ("pinned_8k", True), ("adaptive", True)}
     assert [r.get("error") for r in recs.values() if "error" in r] == []
+    # decode steps read the weights in place by default, and the workload says so
+    assert all(r["workload"]["decode_weights_in_place"] is True for r in recs.values())
     on, off, adaptive = recs["pinned_8k", True], recs["pinned_8k", False], recs["adaptive", True]
     assert on["same_tokens_as_off"] and adaptive["same_tokens_as_off"]
     assert on["request_digests"] == off["request_digests"] == adaptive["request_digests"]
