@@ -151,7 +151,9 @@ def lowering_record(preset: str) -> dict:
     `plain_s` traces and lowers the jitted step (what a warm process did with the compilation
     cache alone), `export_s` exports and serializes it (a cold process, once), `cached_s`
     deserializes it and lowers the thin jit that calls it (a warm process with the step cache).
-    The time to look the executable up in the compilation cache is the same for both."""
+    The time to look the executable up in the compilation cache is the same for both.
+    The decode step once more with `Engine(decode_weights_in_place=True)` (`in_place`: the
+    layers unrolled over static slices of the stacks, traced and lowered per layer)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -164,17 +166,28 @@ def lowering_record(preset: str) -> dict:
     model = gemma.Transformer(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
     )
-    engine = swajax.Engine(
-        model,
-        swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=64 << 20),
-        max_context=4096,
-        max_batch=16,
-        max_num_tokens=8192,
-        implementation="pallas",
-    )
+    engines = {
+        in_place: swajax.Engine(
+            model,
+            swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=64 << 20),
+            max_context=4096,
+            max_batch=16,
+            max_num_tokens=8192,
+            implementation="pallas",
+            decode_weights_in_place=in_place,
+        )
+        for in_place in (False, True)
+    }
+    engine = engines[False]
     jax.jit(lambda x: x + 1).lower(jnp.ones(3))  # jax's own first-use costs, outside the timings
     rec = dict(kind="lowering", preset=preset, num_layers=config.num_layers, variants=[])
-    for num_tokens, decode in ((8192, False), (engine.step_buckets()[0][0], True)):
+    decode_bucket = engine.step_buckets()[0][0]
+    for num_tokens, decode, in_place in (
+        (8192, False, False),
+        (decode_bucket, True, False),
+        (decode_bucket, True, True),
+    ):
+        engine = engines[in_place]
         step = engine._step_function(decode, False, "greedy")
         args = engine._step_args(num_tokens)
         with _checks.force_compiled():
@@ -194,11 +207,14 @@ def lowering_record(preset: str) -> dict:
             dict(
                 num_tokens=num_tokens,
                 decode=decode,
+                in_place=in_place,
                 plain_s=plain_s,
                 export_s=export_s,
                 cached_s=cached_s,
                 serialized_bytes=len(data),
                 mosaic_kernels_plain=plain.as_text().count("mosaic_gpu"),
+                lowered_chars=len(plain.as_text()),
+                while_loops=plain.as_text().count("stablehlo.while"),
                 mosaic_kernels_cached=cached.as_text().count("mosaic_gpu"),
             )
         )
