@@ -188,10 +188,11 @@ class Transformer(nnx.Module):
             GEMM (a fixed cost per step, about twice the weights' bytes; see
             `experiments/probe_layer_scan.py`). True / 'unrolled': the run unrolled with
             static slices, which XLA fuses into the GEMMs (no copies; traced and compiled
-            per layer): for steps whose time is the weights' bytes (decode). 'grouped' (or
-            its implementations 'pallas' / 'reference'): the scan kept, each matrix
-            multiplied in the stack by the grouped matmul (`gemma._layers.StackedRow`). The
-            same numbers up to the GEMMs' accumulation order.
+            per layer; MoE experts stay whole, see `_unrolled_run`): for steps whose time is
+            the weights' bytes (decode). 'grouped' (or its implementations 'pallas' /
+            'reference'): the scan kept, each matrix multiplied in the stack by the grouped
+            matmul (`gemma._layers.StackedRow`; for study, far slower at decode). The same
+            numbers up to the GEMMs' accumulation order.
         """
         c = self.config
         _check_tokens(c, tokens, positions)

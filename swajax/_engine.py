@@ -238,9 +238,11 @@ class Engine:
       decode_weights_in_place: how decode steps read each scanned layer's matrices (see
         `gemma.Transformer.forward(weights_in_place=...)`): False slices them under the layer
         scan (XLA copies each one per step); True unrolls the layers with static slices,
-        which the GEMMs read where they lie (decode steps compile per layer); 'grouped'
-        keeps the scan and multiplies in the stack through the grouped matmul (needs
-        mesh=None, ValueError otherwise). Prefill steps always scan.
+        which the GEMMs read where they lie (decode steps compile per layer; MoE experts
+        stay whole for the grouped matmul); 'grouped' keeps the scan and multiplies in the
+        stack through the grouped matmul (needs mesh=None, ValueError otherwise; for study:
+        far slower than the copies at decode, experiments/NOTES.md v16). Prefill steps
+        always scan.
 
     With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
     whenever the engine is idle and the policy says so (see the module docstring); until the
