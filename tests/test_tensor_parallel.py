@@ -211,7 +211,7 @@ PROMPTS = prompts_of([47, 31, 15], seed=21)
 MAX_NEW = 4
 
 
-def _engine(model, scratch, *, mesh=None, slots=None, max_batch=3):
+def _engine(model, scratch, *, mesh=None, slots=None, max_batch=3, **engine_kw):
     tp = 1 if mesh is None else dict(mesh.shape)["model"]
     base = dict(page_size=16, dtype=jnp.float32, enable_swa_scratch_reuse=scratch)
     kw = dict(max_context=128, prefill_chunk_size=CHUNK, implementation="reference")
@@ -232,7 +232,7 @@ def _engine(model, scratch, *, mesh=None, slots=None, max_batch=3):
             max_gpu_total_bytes=sum(share) + 1, pool_ratio=tuple(map(float, share)), **base
         )
     return swajax.Engine(
-        model, cfg, max_batch=max_batch, min_prefill_bucket=3 * CHUNK, mesh=mesh, **kw
+        model, cfg, max_batch=max_batch, min_prefill_bucket=3 * CHUNK, mesh=mesh, **kw, **engine_kw
     )
 
 
@@ -310,6 +310,21 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
         np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(slots) * dp)
     _MESH_ENGINES[family, scratch, dp, tp] = engine
     _check_device_bytes(reference, engine, tp)
+
+
+@needs_mesh
+def test_in_place_decode_on_a_mesh_equals_one_device():
+    """Decode steps reading the weights in place (unrolled over static slices; the MoE experts
+    whole, sharded over "model") on a tp = 2 mesh: the one-device scanned engine's tokens and
+    logits, preemptions included."""
+    slots, expected, expected_logits, _ = one_device("gemma4", True)
+    model = make_model("gemma4")
+    engine = _engine(model, True, mesh=mesh_of(1, 2), slots=slots, decode_weights_in_place=True)
+    outputs, logits, stats = _run(engine)
+    assert outputs == expected and logits.keys() == expected_logits.keys()
+    for key, value in logits.items():
+        np.testing.assert_allclose(value, expected_logits[key], rtol=1e-5, atol=1e-5)
+    assert stats.preemptions > 0 and engine.trace_count == 2
 
 
 def _check_device_bytes(reference, engine, tp):
