@@ -782,7 +782,7 @@ def format_table(records: list[dict], comp: dict) -> str:
     """Ours beside the published change, per preset and setup (~: predicted, not measured)."""
     head = (
         f"{'preset':<15}{'setup':<10}{'OFF tok/s':>10}{'ON tok/s':>10}{'ours %':>8}"
-        f"{'pred %':>8}{'publ. %':>8}{'conc':>8}{'preempt':>10}  same tokens"
+        f"{'pred %':>8}{'publ. %':>8}{'conc':>8}{'preempt':>10}{'decode':>10}  same tokens"
     )
     lines = [head]
     for preset, row in comp.items():
@@ -792,7 +792,10 @@ def format_table(records: list[dict], comp: dict) -> str:
             on = _cell(records, preset, setup, True)
             c = row[setup]
             ref = c.get("off_reference") or "cap_only" if setup == "adaptive" else setup
-            off = _cell(records, preset, ref, False)
+            # the OFF cell the comparison used: of the ON cell's workload
+            off = _cell(records, preset, ref, False, on.get("workload") if on else None)
+            wl = (on or off or {}).get("workload") or {}
+            decode = "in place" if wl.get("decode_weights_in_place") else "scan"
             ours = c.get("change_pct", c.get("change_vs_reference_off_pct"))
             pred = c.get("predicted_change_pct", c.get("predicted_change_vs_cap_only_off_pct"))
             conc = f"{_show(off, 'max_concurrent')}/{_show(on, 'max_concurrent')}"
@@ -804,13 +807,16 @@ def format_table(records: list[dict], comp: dict) -> str:
             lines.append(
                 f"{preset:<15}{setup:<10}{_fmt(_get(off, 'output_tokens_per_s'), '10.1f'):>10}"
                 f"{_fmt(_get(on, 'output_tokens_per_s'), '10.1f'):>10}{_fmt(ours):>8}"
-                f"{_fmt(pred):>8}{_fmt(c.get('published_pct')):>8}{conc:>8}{pre:>10}  {same}"
+                f"{_fmt(pred):>8}{_fmt(c.get('published_pct')):>8}{conc:>8}{pre:>10}"
+                f"{decode:>10}  {same}"
             )
     lines.append(
         "ours / pred: output tokens/s ON vs OFF of the setup (adaptive: vs cap_only OFF, else "
         "the best OFF), "
         "measured / predicted; publ.: TensorRT-LLM on B200; conc / preempt: max concurrent rows "
-        "and preemptions OFF/ON (~: predicted); same tokens: ON equals OFF, or 'ties k/n': k "
+        "and preemptions OFF/ON (~: predicted); decode: the decode steps' layers under the "
+        "scan, or unrolled reading the weights in place; same tokens: ON equals OFF, or "
+        "'ties k/n': k "
         f"of n checked divergences part at a near tie (top-2 gap < {NEAR_TIE} relative)."
     )
     for r in records:

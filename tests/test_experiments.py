@@ -255,7 +255,7 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     row = data["comparison"]["gemma4_e2b"]
     assert row["pinned_8k"]["published_pct"] == 59.6 and "adaptive" in row
     table = capsys.readouterr().out
-    assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table
+    assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table and "in place" in table
     assert (tmp_path / "swa.png").stat().st_size > 10_000
     # a second invocation replaces its cells and keeps the others
     swa_scratch.main(["--quick", "--setups", "adaptive", "--profile", "2", "--out", str(out)])
