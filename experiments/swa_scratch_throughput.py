@@ -19,10 +19,10 @@ differently, part after a few tokens); `requests` random prompts with lengths un
 greedily (no stop tokens); bf16 KV, page 32, the engine's default token budget of 8192 tokens
 per step (TensorRT-LLM's default max_num_tokens; prefill chunk = budget), Pallas kernels,
 `--rows` serving rows (enough that the KV pool, not the rows, bounds concurrency), batch-invariant
-steps (`Engine(batch_invariant=True)`: a step holds decode rows only or whole prefill chunks
-only, at one shape each, so a request's greedy tokens do not depend on which other rows ON and
-OFF admit beside it; `--mixed-steps` serves as the default engine does, decode rows riding in
-prefill steps).
+steps (`Engine(batch_invariant=True)`: a step holds decode rows only or prefill rows only, at
+one shape each, a prompt's chunks cut only at multiples of the prefill kernel's 128-row query
+tile, so a request's greedy tokens do not depend on which other rows ON and OFF admit beside
+it; `--mixed-steps` serves as the default engine does, decode rows riding in prefill steps).
 
 KV cap, the same for every cell of a preset: `--cap-seqs` (8) x the steady-state KV bytes of one
 sequence of input_mean + output_len tokens (after its prefill and decode: every token in full
@@ -168,7 +168,12 @@ class Params:
         # (recorded only when set, so that records of runs before the option stay comparable)
         keys += ("batch_invariant",) if self.batch_invariant else ()
         keys += ("decode_weights_in_place",) if self.decode_weights_in_place else ()
-        return {k: getattr(self, k) for k in keys}
+        workload = {k: getattr(self, k) for k in keys}
+        if self.batch_invariant:  # where the engine may cut a prompt's chunk (0: whole chunks)
+            from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
+
+            workload["prefill_cut_align"] = PREFILL_QUERY_TILE
+        return workload
 
 
 QUICK = Params(
@@ -343,6 +348,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     import jax.numpy as jnp
 
     from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
+    from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
     from swajax import request_slots
     from swajax._ledger import SlotLedger
     from swajax._scheduler import Request, Scheduler, default_headroom
@@ -355,6 +361,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         chunk=layout.max_chunk,
         headroom=default_headroom(num_slots, params.admission_headroom),
         mixed_steps=not params.batch_invariant,
+        cut_align=PREFILL_QUERY_TILE if params.batch_invariant else 0,  # as `Engine` does
     )
     for i, p in enumerate(prompts):
         # what `Engine.check_fits` refuses (the scheduler would preempt it forever)

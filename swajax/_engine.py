@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
 from swajax import _sharding, _validate
 from swajax._budget import (
     AdaptiveSplit,
@@ -228,9 +229,11 @@ class Engine:
         prefill rows only (the two kinds alternate while both wait, see `swajax._scheduler`);
         every step with prefill rows has the token axis max_num_tokens (min_prefill_bucket
         must be left unset or equal it: ValueError otherwise); a prompt's chunks start at
-        multiples of the chunk whatever else runs (never cut to the budget left or the free
-        slots; a prefix-cache hit moves them). Cost: decode rows wait while a prefill step
-        runs, and a prefill step is padded to max_num_tokens. Preemption breaks it: a
+        multiples of the prefill kernel's query tile (`PREFILL_QUERY_TILE`, 128) whatever
+        else runs: a chunk is cut to the budget left only there, and only when the chunk is a
+        multiple of it (else chunks are whole); never to the free slots; a prefix-cache hit
+        moves them. Cost: decode rows wait while a prefill step runs, and a prefill step is
+        padded to max_num_tokens. Preemption breaks it: a
         preempted request is recomputed from prompt + generated tokens in prefill steps
         (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
         replicas (one step runs every replica's plan, and each replica's scheduler picks its
@@ -387,6 +390,7 @@ class Engine:
                 headroom=self.headroom,
                 max_shares=self.max_shares,
                 mixed_steps=not self.batch_invariant,
+                cut_align=PREFILL_QUERY_TILE if self.batch_invariant else 0,
             )
             for _ in range(self.num_replicas)
         ]

@@ -39,11 +39,13 @@ decode; any other step is a prefill step (2 for the running prefills only, then 
 step if no prefill row can run. The two kinds thus alternate while both wait: a request in
 decode waits for one prefill step at most. The decode rows left out of a prefill step keep
 their rows and slots; the step leaves free the slots their next tokens need, as if they ran in
-it, and its prefill rows never preempt them to make room. A prompt's chunks are whole: each
-starts at a multiple of the chunk (at most the budget) and is never cut to the budget left or
-the free slots, so where they fall does not depend on the other rows (a row whose chunk does
-not fit waits for the next prefill step, or makes room by preemption as usual). A prefix-cache
-hit or park boundary still moves them.
+it, and its prefill rows never preempt them to make room. A prompt's chunks start at multiples
+of `cut_align` (the prefill kernel's query tile), whatever the other rows: a chunk is cut to
+the budget left only at such a multiple (`cut_align=0`: never, the chunks are whole), and never
+to the free slots (a row whose chunk does not fit makes room by preemption as usual, or waits
+for the next prefill step). A query's attention output is bitwise the same for any
+tile-aligned start of its chunk (`tests/test_paged_attention.py`), so the cuts do not change a
+row's numbers. A prefix-cache hit or park boundary still moves them.
 
 Pipelining: a step may be planned before the tokens of the previous one are read. A decode
 row then feeds the token its row sampled in the previous step (`StepPlan.tokens` gives None
@@ -152,6 +154,10 @@ class Scheduler:
         static capacity).
       mixed_steps: whether decode rows and prefill rows may share a step (False: each step
         holds one kind; see the module docstring).
+      cut_align: without mixed steps, the multiple of tokens at which a prompt's chunk may be
+        cut to the budget left (0: chunks are whole). Cuts are made only when the chunk is a
+        multiple of it and only to a chunk that starts at a multiple of it, so every chunk of
+        a prompt without a prefix-cache hit starts at one, cut or not.
     """
 
     def __init__(
@@ -164,8 +170,11 @@ class Scheduler:
         headroom: Sequence[int],
         max_shares: int = 0,
         mixed_steps: bool = True,
+        cut_align: int = 0,
     ):
         layout = ledger.layout
+        if not isinstance(cut_align, int) or cut_align < 0:
+            raise ValueError(f"cut_align must be an int >= 0, got {cut_align!r}")
         if not 1 <= serving_rows <= layout.max_batch:
             raise ValueError(f"serving_rows must be in [1, {layout.max_batch}], got {serving_rows}")
         self.ledger = ledger
@@ -178,6 +187,8 @@ class Scheduler:
         self.headroom = tuple(headroom)
         self.max_shares = max_shares
         self.mixed_steps = mixed_steps
+        # (no cuts unless a whole chunk keeps the next start aligned)
+        self.cut_align = cut_align if cut_align and self.chunk % cut_align == 0 else 0
         cache_rows = range(serving_rows, layout.max_batch)
         self.cache = (
             PrefixCache(layout.page_size, cache_rows) if cache_rows and max_shares else None
@@ -359,6 +370,17 @@ class Scheduler:
             n = min(n, r.park_at - r.fed)
         return n
 
+    def _tokens_within(self, r: Request, budget: int) -> int:
+        """Tokens r takes this step within `budget`: with mixed steps its step cut to the budget;
+        without, its whole step, else (cut_align, from an aligned start) the budget rounded
+        down to a multiple of cut_align, else 0 (it waits for the next prefill step)."""
+        want = self._step_tokens(r)
+        if want <= budget or self.mixed_steps:
+            return min(want, budget)
+        if self.cut_align and r.fed % self.cut_align == 0:
+            return budget // self.cut_align * self.cut_align
+        return 0
+
     def _evict(self, plan: StepPlan, protect=()) -> bool:
         if self.cache is None:
             return False
@@ -483,9 +505,9 @@ class Scheduler:
             for r in rows:
                 if r not in self.running or budget == 0:
                     continue
-                want = min(self._step_tokens(r), budget)
-                if not self.mixed_steps and want < self._step_tokens(r):
-                    continue  # a whole chunk or nothing: it waits for the next prefill step
+                want = self._tokens_within(r, budget)
+                if want == 0:
+                    continue  # without mixed steps: it waits for the next prefill step
                 while True:
                     n = self._largest_fit(r.row, want, planned)
                     if not self.mixed_steps and n < want:
@@ -547,9 +569,7 @@ class Scheduler:
             headroom = self.headroom if self.running else None
             # The first step as the budget allows, never cut to the free slots (a sliver of a
             # prefill would hold slots only to be preempted as its neighbours grow).
-            n = min(self._step_tokens(r), budget)
-            if not self.mixed_steps and n < self._step_tokens(r):
-                n = 0  # a whole first chunk or none: it waits for the next prefill step
+            n = self._tokens_within(r, budget)  # 0: it waits for the next prefill step
             protect = used_sources | ({hit} if hit else set())
             while n and not self._admits(planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):

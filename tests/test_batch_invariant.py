@@ -5,10 +5,12 @@ with scratch reuse on and off (which admit different numbers of rows).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
+from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
 from swajax import _sharding
 
 MAX_NUM_TOKENS = 32
@@ -101,3 +103,47 @@ def test_batch_invariant_needs_one_replica(monkeypatch):
     monkeypatch.setattr(_sharding, "mesh_sizes", lambda mesh: (2, 1))
     with pytest.raises(ValueError, match="one data-parallel replica, got 2"):
         make_engine(True, mesh=object())
+
+
+def test_chunks_cut_at_the_query_tile_keep_the_tokens():
+    """Budget 384, chunks of 256: a second prompt's first chunk is cut to the 128 tokens left
+    (`PREFILL_QUERY_TILE`) and its later chunks start at multiples of 128. Gemma 4 (sliding
+    window, KV sharing): greedy tokens equal the dense model's, and scratch ON and OFF, which
+    cut at other places, give the same tokens and logits within 1e-5."""
+    model = make_model("gemma4")
+    prompts = prompts_of([300, 260, 140], seed=4)
+    runs = {}
+    for scratch in (False, True):
+        engine = swajax.Engine(
+            model,
+            kv_config(scratch),
+            max_context=512,
+            max_batch=3,
+            max_num_tokens=384,
+            prefill_chunk_size=256,
+            implementation="reference",
+            batch_invariant=True,
+        )
+        assert engine.scheduler.cut_align == PREFILL_QUERY_TILE == 128
+        fed = []  # (request id, tokens fed before, tokens this step) of every prefill row
+        schedule = engine.scheduler.schedule
+
+        def recorded(engine=engine, schedule=schedule, fed=fed):
+            before = {r.row: (r.id, r.fed) for r in engine.scheduler.running}
+            plan = schedule()
+            if plan is not None and plan.prefill_step:
+                for row, n in plan.new_tokens.items():
+                    rid, start = before.get(row, (engine.scheduler.rows[row].id, 0))
+                    fed.append((rid, start, n))
+            return plan
+
+        engine.scheduler.schedule = recorded
+        outputs, stats = engine.run(prompts, MAX_NEW, collect_logits=True)
+        assert stats.preemptions == 0
+        assert all(start % 128 == 0 for _, start, _ in fed), fed
+        assert any(n == 128 and start + n < len(prompts[rid]) for rid, start, n in fed), fed
+        runs[scratch] = outputs, {(i, k): x for i, k, x in stats.step_logits}
+    assert runs[False][0] == runs[True][0] == dense_greedy(model, prompts, MAX_NEW)
+    assert runs[False][1].keys() == runs[True][1].keys()
+    for key, value in runs[True][1].items():
+        np.testing.assert_allclose(value, runs[False][1][key], rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels import _checks, _testing
 from pallas_kernels.paged_attention import (
+    PREFILL_QUERY_TILE,
     paged_decode_attention,
     paged_decode_attention_reference,
     ragged_paged_attention,
@@ -949,14 +950,16 @@ def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
     _check(got, want, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("window", [None, 80])
-def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window):
+@pytest.mark.parametrize("window, d", [(None, 128), (80, 128), (80, 512)])
+def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window, d):
     """`Engine(batch_invariant=True)` relies on this: a query's output is bitwise the same
-    whether its sequence's new tokens start at position 0 or at a later multiple of the
-    128-row query tile (the earlier ones then read from the pool). Interpret mode, one
-    sequence of 256 tokens; the last 128 queries computed both ways. (A start inside a tile
-    may regroup a query's keys into other steps: at start 100 one row differs in this case.)"""
-    length, d = 256, 128
+    whether its sequence's new tokens start at position 0 or at a later multiple of
+    `PREFILL_QUERY_TILE` (the earlier ones then read from the pool), where its scheduler cuts
+    chunks. Interpret mode, one sequence of 256 tokens; the last 128 queries computed both
+    ways; head_dim 512 has 64-row query tiles. (A start inside a tile may regroup a query's
+    keys into other steps: at start 100 one row differs in this case.)"""
+    length, tile = 256, PREFILL_QUERY_TILE
+    assert tile == 128
     case = _testing.make_case(
         3,
         q_lens=[length],
@@ -985,8 +988,8 @@ def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window):
             )
         return np.asarray(out, np.float32)
 
-    whole, last = run(0), run(128)
-    np.testing.assert_array_equal(last, whole[128:])
+    whole, last = run(0), run(tile)
+    np.testing.assert_array_equal(last, whole[tile:])
 
 
 @pytest.mark.parametrize("window", [None, 40])

@@ -95,7 +95,16 @@ class ToyLedger:
         return True
 
 
-def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0, mixed_steps=True):
+def make(
+    num_slots=100,
+    rows=4,
+    budget=64,
+    chunk=32,
+    headroom=0,
+    cache_rows=0,
+    mixed_steps=True,
+    cut_align=0,
+):
     ledger = ToyLedger(num_slots, rows + cache_rows)
     return Scheduler(
         ledger,
@@ -105,6 +114,7 @@ def make(num_slots=100, rows=4, budget=64, chunk=32, headroom=0, cache_rows=0, m
         headroom=(headroom,),
         max_shares=4 if cache_rows else 0,
         mixed_steps=mixed_steps,
+        cut_align=cut_align,
     )
 
 
@@ -336,6 +346,29 @@ def check_whole_chunks(s, steps):
             assert n == s.chunk or row in step.plan.samples, (i, rid, n)
 
 
+def check_aligned_chunks(s, steps):
+    """With `cut_align`: every prefill row starts at a multiple of it and takes the whole chunk,
+    or less where its prefill ends, or a multiple of it after which the step's budget has less
+    than one multiple left (a cut),
+    so where a prompt's chunks start depends on the other rows only through that multiple."""
+    align = s.cut_align
+    assert align and s.chunk % align == 0
+    for i, step in enumerate(steps):
+        fed = sum(step.before[rid][1] for rid in step.prefill)
+        for rid in step.prefill:
+            start, n, row = step.before[rid]
+            assert start % align == 0, (i, rid, start)
+            cut = n % align == 0 and n < s.chunk and s.max_num_tokens - fed < align
+            assert n == s.chunk or row in step.plan.samples or cut, (i, rid, n)
+
+
+def check_chunks(s, steps):
+    if s.cut_align:
+        check_aligned_chunks(s, steps)
+    else:
+        check_whole_chunks(s, steps)
+
+
 def check_one_kind_per_step(steps):
     """No step feeds both kinds of rows, the plan says which kind it runs as, and a request in
     decode never waits for two prefill steps in a row (nor for a step without tokens)."""
@@ -417,9 +450,10 @@ def test_a_prefill_step_keeps_free_the_next_slots_of_the_decode_rows():
     rows=st.integers(1, 5),
     pipelined=st.booleans(),
     cache_rows=st.sampled_from([0, 0, 2]),
+    cut_align=st.sampled_from([0, 1, 2, 4, 8]),
 )
 def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
-    lengths, new, arrive, budget, chunk, slots, rows, pipelined, cache_rows
+    lengths, new, arrive, budget, chunk, slots, rows, pipelined, cache_rows, cut_align
 ):
     s = make(
         num_slots=slots,
@@ -428,6 +462,7 @@ def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
         chunk=chunk,
         cache_rows=cache_rows,
         mixed_steps=False,
+        cut_align=cut_align,
     )
     arrivals = {}
     for i, n in enumerate(lengths):
@@ -435,7 +470,7 @@ def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
     steps = drive_steps(s, arrivals, pipelined=pipelined)
     check_one_kind_per_step(steps)
     if not cache_rows:  # (a prefix hit or a park boundary moves the chunks of a prompt)
-        check_whole_chunks(s, steps)
+        check_chunks(s, steps)
     for i in range(len(lengths)):
         r = s.requests[i]
         assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
@@ -486,3 +521,24 @@ def test_without_mixed_steps_a_chunk_is_never_cut_by_the_budget():
     assert steps[0].plan.new_tokens == {0: 8, 1: 8}
     check_whole_chunks(s, steps)
     assert all(r.status == FINISHED for r in s.requests.values())
+
+
+def test_without_mixed_steps_a_chunk_is_cut_only_at_the_alignment():
+    """Budget 20, chunks of 8. cut_align 4: the third prompt takes the 4 tokens left, and its
+    later chunks start at multiples of 4. cut_align 8: 4 tokens are not a multiple,
+    so it waits. cut_align 3 does not divide the chunk (a whole chunk would leave the next
+    start unaligned): chunks stay whole. cut_align must be an int >= 0."""
+    s = make(rows=4, budget=20, chunk=8, mixed_steps=False, cut_align=4)
+    steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
+    assert steps[0].plan.new_tokens == {0: 8, 1: 8, 2: 4}
+    starts = [step.before[2][0] for step in steps if 2 in step.prefill]
+    assert starts[:2] == [0, 4] and all(x % 4 == 0 for x in starts)
+    check_aligned_chunks(s, steps)
+    assert all(r.status == FINISHED for r in s.requests.values())
+    for align in (8, 3):
+        s = make(rows=4, budget=20, chunk=8, mixed_steps=False, cut_align=align)
+        steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
+        assert steps[0].plan.new_tokens == {0: 8, 1: 8}
+        check_chunks(s, steps)
+    with pytest.raises(ValueError, match="cut_align must be an int >= 0, got -1"):
+        make(mixed_steps=False, cut_align=-1)
