@@ -1,6 +1,9 @@
 """Cold start and the decode step as `Engine.run` drives it, on the H200.
 
     SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --out $OUT/c.json
+    # cold starts with the decode steps reading the weights in place as well
+    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --in-place both \
+        --decode --out $OUT/c.json
     PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --out /tmp/c.json
     # CPU, the presets' depth at small widths (reference attention): the caches' effect
     PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --full-depth \
@@ -21,8 +24,9 @@ construction, in threads) where asked.
 
 Decode (`--decode`): Gemma 3 4B, 64 prompts of 8192 tokens, 33 new tokens each, greedy; the
 inter-token latency of the run (p50, host loop included) against the step's bytes floor: the
-weights and the KV the step reads, at the copy bandwidth measured in the run; once with the
-layers under `lax.scan` (the default) and once unrolled (`scan_layers=False`), same weights.
+weights and the KV the step reads, at the copy bandwidth measured in the run; with the layers
+under `lax.scan` (the default), the same with `Engine(decode_weights_in_place=True)`, and the
+model built unrolled (`scan_layers=False`), same weights.
 """
 
 # %%
@@ -40,7 +44,9 @@ import traceback
 PRESETS = ("gemma3_4b", "gemma4_e2b")
 
 
-def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
+def child(
+    preset: str, quick: bool, precompile: bool, full_depth: bool = False, in_place: bool = False
+) -> dict:
     """One fresh process: build the model, then time engine construction -> first token."""
     import jax
     import jax.numpy as jnp
@@ -80,6 +86,7 @@ def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) 
         max_num_tokens=512 if quick else 8192,
         implementation="reference" if quick else "pallas",
         precompile=precompile,
+        decode_weights_in_place=in_place,
     )
     built_s = time.perf_counter() - t0
     first = []
@@ -101,19 +108,28 @@ def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) 
 
 
 def cold_start(
-    preset: str, quick: bool, precompile: bool, full_depth: bool = False, step_cache="both"
+    preset: str,
+    quick: bool,
+    precompile: bool,
+    full_depth: bool = False,
+    step_cache="both",
+    in_place: bool = False,
 ) -> dict:
     """Fresh processes, two per cache setting, each pair on an empty cache directory: with the
     step cache (`SWAJAX_STEP_CACHE=1`; `swajax._step_cache`: a warm process neither traces nor
     lowers its steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's
     compilation cache only, steps traced and lowered again) `cold_no_step_cache_s` then
     `warm_compilation_cache_only_s`. The two settings compile different modules (the step cache
-    calls an exported step), so each fills its own directory."""
+    calls an exported step), so each fills its own directory. in_place: the engine's decode
+    steps read the weights in place (`Engine(decode_weights_in_place=True)`: the layers
+    unrolled, compiled per layer)."""
     rec = dict(kind="cold_start", preset=preset, precompile=precompile, full_depth=full_depth)
+    rec["decode_weights_in_place"] = in_place
     cmd = [sys.executable, __file__, "--child", preset]
     cmd += ["--quick"] if quick else []
     cmd += ["--precompile"] if precompile else []
     cmd += ["--full-depth"] if full_depth else []
+    cmd += ["--in-place", "on"] if in_place else []
     settings = (
         ("1", ("cold", "warm_cache")),
         ("0", ("cold_no_step_cache", "warm_compilation_cache_only")),
@@ -221,7 +237,9 @@ def lowering_record(preset: str) -> dict:
     return rec
 
 
-def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True) -> dict:
+def decode_record(
+    quick: bool, copy_tbs: float | None, scan_layers: bool = True, in_place: bool = False
+) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -240,6 +258,7 @@ def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True)
         context=context,
         new=new,
         scan_layers=scan_layers,
+        decode_weights_in_place=in_place,
     )
     try:
         model = gemma.Transformer(
@@ -265,6 +284,7 @@ def decode_record(quick: bool, copy_tbs: float | None, scan_layers: bool = True)
             max_context=context + new + 32,
             max_batch=batch,
             implementation="reference" if quick else "pallas",
+            decode_weights_in_place=in_place,
         )
         engine.run(prompts[:1], 2)  # compile outside the run
         times: dict[int, list[float]] = {}
@@ -309,13 +329,21 @@ def main():
         "--step-cache", default="both", choices=("both", "on", "off"), help="which process pairs"
     )
     p.add_argument("--decode", action="store_true", help="also the Gemma 3 4B decode step")
+    p.add_argument(
+        "--in-place",
+        default="off",
+        choices=("off", "on", "both"),
+        help="Engine(decode_weights_in_place=...) of the cold starts (the decode records "
+        "always add the in-place engine beside the scan and the unrolled model)",
+    )
     p.add_argument("--both", action="store_true", help="cold start with and without precompile")
     p.add_argument(
         "--lowering", action="store_true", help="only the lowering with and without the step cache"
     )
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth)))
+        in_place = args.in_place == "on"
+        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth, in_place)))
         return
     if args.lowering:  # CPU: no device needed
         from experiments._meta import run_metadata
@@ -345,27 +373,34 @@ def main():
         quick=args.quick, full_depth=args.full_depth, presets=args.presets, copy_tbs=copy
     )
     res["records"] = []
+    in_places = {"off": (False,), "on": (True,), "both": (False, True)}[args.in_place]
     for preset in filter(None, args.presets.split(",")):
         for pre in (False, True) if args.both else (args.precompile,):
-            res["records"].append(
-                cold_start(preset, args.quick, pre, args.full_depth, args.step_cache)
-            )
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            for in_place in in_places:
+                res["records"].append(
+                    cold_start(preset, args.quick, pre, args.full_depth, args.step_cache, in_place)
+                )
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1, default=str)
     if args.decode:
-        for scan_layers in (True, False):
-            res["records"].append(decode_record(args.quick, copy, scan_layers))
+        # the scanned model's decode steps, the same reading the weights in place, and the
+        # model built unrolled (one Block per layer, no stacks)
+        for scan_layers, in_place in ((True, False), (True, True), (False, False)):
+            res["records"].append(decode_record(args.quick, copy, scan_layers, in_place))
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
-        scan, unrolled = (r.get("decode_step_ms") for r in res["records"][-2:])
+        scan, in_place, unrolled = (r.get("decode_step_ms") for r in res["records"][-3:])
         if scan and unrolled:
             res["decode_scan_over_unrolled"] = scan / unrolled
+        if scan and in_place:
+            res["decode_scan_over_in_place"] = scan / in_place
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     for r in res["records"]:
         if r["kind"] == "cold_start":
             print(
-                f"{r['preset']:<12} precompile={r['precompile']!s:<5} cold "
+                f"{r['preset']:<12} precompile={r['precompile']!s:<5} "
+                f"in_place={r['decode_weights_in_place']!s:<5} cold "
                 f"{r.get('cold_s', float('nan')):6.1f} s  warm cache "
                 f"{r.get('warm_cache_s', float('nan')):6.1f} s  (step cache off: cold "
                 f"{r.get('cold_no_step_cache_s', float('nan')):6.1f} s, warm "
@@ -374,11 +409,14 @@ def main():
             )
         else:
             print(
-                f"decode scan_layers={r['scan_layers']!s:<5} step {r.get('decode_step_ms')} ms, "
+                f"decode scan_layers={r['scan_layers']!s:<5} "
+                f"in_place={r['decode_weights_in_place']!s:<5} step {r.get('decode_step_ms')} ms, "
                 f"floor {r.get('floor_ms')} ms, itl {r.get('itl_ms')} {r.get('error', '')[-200:]}"
             )
     if "decode_scan_over_unrolled" in res:
         print(f"decode step, scan / unrolled: {res['decode_scan_over_unrolled']:.3f}")
+    if "decode_scan_over_in_place" in res:
+        print(f"decode step, scan / in place: {res['decode_scan_over_in_place']:.3f}")
 
 
 if __name__ == "__main__":
