@@ -108,8 +108,10 @@ def test_batch_invariant_needs_one_replica(monkeypatch):
 def test_chunks_cut_at_the_query_tile_keep_the_tokens():
     """Budget 384, chunks of 256: a second prompt's first chunk is cut to the 128 tokens left
     (`PREFILL_QUERY_TILE`) and its later chunks start at multiples of 128. Gemma 4 (sliding
-    window, KV sharing): greedy tokens equal the dense model's, and scratch ON and OFF, which
-    cut at other places, give the same tokens and logits within 1e-5."""
+    window, KV sharing): greedy tokens equal the dense model's; scratch ON and OFF give the same
+    tokens and bitwise the same logits; and the cut request run alone (whole chunks from 0 and
+    256) gives bitwise its logits in the batch (reference attention on the CPU; the Pallas
+    kernel's property is `test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start`)."""
     model = make_model("gemma4")
     prompts = prompts_of([300, 260, 140], seed=4)
     runs = {}
@@ -146,4 +148,12 @@ def test_chunks_cut_at_the_query_tile_keep_the_tokens():
     assert runs[False][0] == runs[True][0] == dense_greedy(model, prompts, MAX_NEW)
     assert runs[False][1].keys() == runs[True][1].keys()
     for key, value in runs[True][1].items():
-        np.testing.assert_allclose(value, runs[False][1][key], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(value, runs[False][1][key])
+    # Request 1 alone: whole chunks from 0 and 256 where the batch cut it at 128. Its logits
+    # are bitwise those of the batch.
+    before = len(fed)
+    alone = engine.run([prompts[1]], MAX_NEW, collect_logits=True)[1]
+    assert [(start, n) for _, start, n in fed[before:]] == [(0, 256), (256, 4)]
+    assert len(alone.step_logits) == MAX_NEW
+    for _, k, value in alone.step_logits:
+        np.testing.assert_array_equal(value, runs[True][1][1, k])
