@@ -950,21 +950,41 @@ def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
     _check(got, want, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("window, d", [(None, 128), (80, 128), (80, 512)])
-def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(window, d):
+def _distinct_prefill_tilings():
+    """One preset geometry per (head_dim, group, window or not): what the prefill kernel's
+    query tiles and key loop depend on (`gemma.configs.attention_geometries`)."""
+    from gemma import configs
+
+    seen = {}
+    for g in configs.attention_geometries():
+        seen.setdefault((g.head_dim, g.group, g.window is None), g)
+    return list(seen.values())
+
+
+PREFILL_TILINGS = _distinct_prefill_tilings()
+
+
+@pytest.mark.parametrize(
+    "geometry", PREFILL_TILINGS, ids=[f"{g.id}-{'+'.join(g.presets)}" for g in PREFILL_TILINGS]
+)
+def test_prefill_output_does_not_depend_on_a_tile_aligned_chunk_start(geometry):
     """`Engine(batch_invariant=True)` relies on this: a query's output is bitwise the same
     whether its sequence's new tokens start at position 0 or at a later multiple of
     `PREFILL_QUERY_TILE` (the earlier ones then read from the pool), where its scheduler cuts
-    chunks. Interpret mode, one sequence of 256 tokens; the last 128 queries computed both
-    ways; head_dim 512 has 64-row query tiles. (A start inside a tile may regroup a query's
-    keys into other steps: at start 100 one row differs in this case.)"""
+    chunks. Every preset's head_dim and group (head_dim 512 has 64-row query tiles), one KV
+    head; interpret mode, one sequence of 256 tokens, the last 128 queries computed both ways;
+    a sliding geometry's window shortened to 80 so that it cuts through the tiles. (A start
+    inside a tile may regroup a query's keys into other steps: at start 100 one row differs
+    with head_dim 128.)"""
+    g = geometry
+    d, window = g.head_dim, None if g.window is None else 80
     length, tile = 256, PREFILL_QUERY_TILE
     assert tile == 128
     case = _testing.make_case(
         3,
         q_lens=[length],
         kv_lens=[length],
-        num_q_heads=2,
+        num_q_heads=g.group,
         num_kv_heads=1,
         head_dim=d,
         page_size=32,
