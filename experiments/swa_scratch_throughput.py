@@ -348,20 +348,18 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     import jax.numpy as jnp
 
     from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
-    from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
     from swajax import request_slots
-    from swajax._ledger import SlotLedger
-    from swajax._scheduler import Request, Scheduler, default_headroom
+    from swajax._engine import make_scheduler
+    from swajax._scheduler import Request, default_headroom
 
     num_slots = tuple(g.num_slots for g in layout.groups)
-    sched = Scheduler(
-        SlotLedger(layout),
+    sched = make_scheduler(
+        layout,
         serving_rows=params.rows,
         max_num_tokens=params.max_num_tokens,
         chunk=layout.max_chunk,
         headroom=default_headroom(num_slots, params.admission_headroom),
-        mixed_steps=not params.batch_invariant,
-        cut_align=PREFILL_QUERY_TILE if params.batch_invariant else 0,  # as `Engine` does
+        batch_invariant=params.batch_invariant,
     )
     for i, p in enumerate(prompts):
         # what `Engine.check_fits` refuses (the scheduler would preempt it forever)

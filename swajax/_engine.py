@@ -382,15 +382,14 @@ class Engine:
         """A fresh pool, ledger and scheduler per replica (every queued request is dropped)."""
         self._init_pool()
         self.schedulers = [
-            Scheduler(
-                SlotLedger(self.layout),
+            make_scheduler(
+                self.layout,
                 serving_rows=self.serving_rows,
                 max_num_tokens=self.max_num_tokens,
                 chunk=self.chunk,
                 headroom=self.headroom,
                 max_shares=self.max_shares,
-                mixed_steps=not self.batch_invariant,
-                cut_align=PREFILL_QUERY_TILE if self.batch_invariant else 0,
+                batch_invariant=self.batch_invariant,
             )
             for _ in range(self.num_replicas)
         ]
@@ -1086,6 +1085,31 @@ class Engine:
         one (with `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels).
         """
         return self._lower(num_tokens, decode, "greedy", lowering_platforms)
+
+
+def make_scheduler(
+    layout,
+    *,
+    serving_rows: int,
+    max_num_tokens: int,
+    chunk: int,
+    headroom,
+    max_shares: int = 0,
+    batch_invariant: bool = False,
+) -> Scheduler:
+    """The engine's scheduler over a fresh `SlotLedger` of `layout` (also what a host-only
+    simulation of the engine plans with): mixed steps, or with `batch_invariant` one kind of
+    rows per step and chunks cut only at multiples of `PREFILL_QUERY_TILE`."""
+    return Scheduler(
+        SlotLedger(layout),
+        serving_rows=serving_rows,
+        max_num_tokens=max_num_tokens,
+        chunk=chunk,
+        headroom=headroom,
+        max_shares=max_shares,
+        mixed_steps=not batch_invariant,
+        cut_align=PREFILL_QUERY_TILE if batch_invariant else 0,
+    )
 
 
 def _check_seed(seed) -> int:
