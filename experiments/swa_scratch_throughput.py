@@ -158,6 +158,10 @@ class Params:
     # (`bench_generate.profile_run`: the device's busy time against the wall time, top
     # kernels); 0: none. Not part of the workload.
     profile: int = 0
+    # With the persistent compilation cache on, every cell's step variants compile up front in
+    # this many threads (`precompile_cells`), and each cell then reads them from the cache;
+    # 0: each cell compiles its own (two variants at a time). Not part of the workload.
+    precompile_workers: int = 8
     quick: bool = False
 
     @property
@@ -190,6 +194,7 @@ QUICK = Params(
     implementation="reference",
     compile_s=3.0,
     cell_limit_s=0.0,
+    precompile_workers=2,
     quick=True,
 )
 
@@ -423,11 +428,19 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
 
 def estimate(predicted: dict[tuple, dict], params: Params, weights: int, scale=1.0) -> dict:
     """Seconds of one preset's invocation: init + compiles (two step variants per distinct
-    layout, compiled in parallel threads) + the predicted runs (each at most cell_limit_s),
+    layout, compiled in threads: `precompile_cells`) + the predicted runs (each at most
+    cell_limit_s),
     the runs scaled by `scale` (requests / simulated requests: steps grow with the requests)."""
     layouts = {(s, tuple(p["num_slots"])) for (_, s), p in predicted.items()}
     init = 5.0 + weights / 4e9
-    compile_s = 1.2 * params.compile_s * len(layouts)
+    variants = 2 * len(layouts)
+    if params.precompile_workers > 0:  # all at once; assumed half-efficient threads, then
+        # every cell's lowering, cache read and warm-up (assumed 5 s)
+        parallel = 0.5 * min(params.precompile_workers, variants)
+        compile_s = 1.2 * params.compile_s * max(1.0, variants / parallel)
+        compile_s += 5.0 * len(predicted)
+    else:  # each cell its own two variants, in two threads
+        compile_s = 1.2 * params.compile_s * len(layouts)
     limit = params.cell_limit_s or float("inf")
     runs = sum(min(scale * p["est_seconds"], limit) for p in predicted.values())
     return dict(init_s=init, compile_s=compile_s, run_s=runs, total_s=init + compile_s + runs)
@@ -472,15 +485,12 @@ def digests(outputs) -> list[str]:
     return [hashlib.sha256(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
 
 
-def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int, prompts):
-    import jax
-
+def cell_engine(model, config, params: Params, setup: str, scratch: bool, cap: int, prompts):
+    """The engine of one cell (the adaptive split applied), and the split's hints."""
     import swajax
-    from swajax import _step_cache
 
     context = max_context(prompts, params)
     kv, derived = cell_kv_config(config, params, setup, scratch, cap, context)
-    t0 = time.perf_counter()
     engine = swajax.Engine(
         model,
         kv,
@@ -494,6 +504,49 @@ def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int,
     )
     if setup == "adaptive":
         engine.adapt_pool([len(p) for p in prompts], params.output_len)
+    return engine, derived
+
+
+def precompile_cells(model, config, params: Params, cells, cap: int, prompts, workers=None):
+    """Compiles the greedy step variants of every cell's engine at once, in `workers` threads,
+    before any cell runs (with the persistent compilation cache on, each cell's own compile
+    then reads them back). Cells of one layout share their steps and are lowered once; each
+    engine is dropped, pool included, once its steps are lowered, so one pool is live at a
+    time. Returns what was compiled and the wall time."""
+    import concurrent.futures
+
+    t0 = time.perf_counter()
+    workers = workers or min(8, os.cpu_count() or 1)
+    layouts, futures = set(), []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for setup, scratch in cells:
+            engine, _ = cell_engine(model, config, params, setup, scratch, cap, prompts)
+            if engine.layout not in layouts:
+                layouts.add(engine.layout)
+                for tokens, decode in engine.step_buckets():
+                    lowered = engine.lower_step(tokens, decode=decode)
+                    futures.append(pool.submit(lowered.compile))
+            del engine
+            gc.collect()
+        lowered_s = time.perf_counter() - t0
+        for f in futures:
+            f.result()
+    return dict(
+        layouts=len(layouts),
+        variants=len(futures),
+        workers=workers,
+        lowered_s=lowered_s,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def run_cell(model, config, params: Params, setup: str, scratch: bool, cap: int, prompts):
+    import jax
+
+    from swajax import _step_cache
+
+    t0 = time.perf_counter()
+    engine, derived = cell_engine(model, config, params, setup, scratch, cap, prompts)
     if jax.config.jax_compilation_cache_dir:  # else the warm-up would compile them again
         engine.precompile()  # both step shapes at once, in threads
     # A warm-up request through the jit path (its executables then come from the cache or
@@ -957,6 +1010,13 @@ def parse(argv=None):
         metavar="N",
         help="after each cell, N of its requests once more under the profiler (0: none)",
     )
+    p.add_argument(
+        "--precompile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads compiling every cell's steps up front (needs the compilation cache; 0: off)",
+    )
     p.add_argument("--simulate", action="store_true", help="predictions only, no model")
     p.add_argument(
         "--plan",
@@ -986,6 +1046,7 @@ def parse(argv=None):
             "batch_invariant",
             "decode_weights_in_place",
             "profile",
+            "precompile_workers",
         )
         if getattr(args, k) is not None
     }
@@ -1012,6 +1073,7 @@ def main(argv=None) -> dict:
 
     import gemma
     from experiments._meta import run_metadata
+    from swajax._compilation_cache import enable_default_cache
 
     meta = run_metadata(**dataclasses.asdict(params), presets=presets, setups=setups)
     merge_from = args.merge or (args.out if args.out.exists() else None)
@@ -1115,6 +1177,17 @@ def main(argv=None) -> dict:
         model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
         gemma.set_unit_size_attention_logits(model)  # O(1) attention logits, as trained
         init_s = time.perf_counter() - t0
+        precompiled = None
+        if params.precompile_workers > 0 and enable_default_cache():  # as the engine would
+            precompiled = precompile_cells(
+                model, config, params, cells, cap, prompts, params.precompile_workers
+            )
+            print(
+                f"  precompiled {precompiled['variants']} step variants of "
+                f"{precompiled['layouts']} layouts in {precompiled['seconds']:.0f} s "
+                f"({precompiled['workers']} threads)",
+                flush=True,
+            )
         outputs_of = {}  # (setup, scratch) -> every request's tokens
         for setup, scratch in cells:
             rec = dict(
@@ -1125,6 +1198,7 @@ def main(argv=None) -> dict:
                 kv_cap_bytes=cap,
                 implementation=params.implementation,
                 init_s=init_s,
+                precompiled=precompiled,
                 predicted=predicted[setup, scratch],
                 git_commit=meta["git_commit"],
                 utc=meta["utc"],

@@ -19,6 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import gemma  # noqa: E402
 import swajax  # noqa: E402
@@ -420,3 +421,61 @@ def test_probe_layer_scan_stack_stays_finite_at_full_depth():
     x = jax.random.normal(jax.random.key(2), (8, 64), jnp.bfloat16)
     out = np.asarray(jax.jit(probe.unrolled_stacked)(x, stacked).astype(jnp.float32))
     assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
+_CACHE_DIR = "jax_compilation_cache_dir"
+_MIN_COMPILE_S = "jax_persistent_cache_min_compile_time_secs"
+
+
+def test_precompiled_cells_are_what_the_cells_compile(tmp_path, monkeypatch):
+    """`precompile_cells` lowers each distinct layout once, holds one cell engine (pool) at a
+    time, and fills the persistent compilation cache with exactly the executables each cell's
+    own `precompile` then asks for: the cells compile nothing new."""
+    import gc
+    import weakref
+
+    from jax._src import compilation_cache
+
+    params = swa_scratch.QUICK
+    config = swa_scratch.model_config("gemma4_e2b", params)
+    prompts = swa_scratch.make_prompts(config.vocab_size, params)
+    cap = swa_scratch.kv_cap_bytes(config, params)
+    dtype = jnp.dtype(params.weight_dtype)
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    cells = [("pinned_8k", False), ("pinned_8k", True), ("adaptive", True)]
+
+    engines = []
+    make = swa_scratch.cell_engine
+
+    def tracked(*args, **kw):
+        gc.collect()
+        assert all(e() is None for e in engines), "a previous cell's engine is still alive"
+        engine, derived = make(*args, **kw)
+        engines.append(weakref.ref(engine))
+        return engine, derived
+
+    cache = tmp_path / "jax-cache"
+    monkeypatch.setattr(swa_scratch, "cell_engine", tracked)
+    saved = {k: getattr(jax.config, k) for k in (_CACHE_DIR, _MIN_COMPILE_S)}
+    jax.config.update(_CACHE_DIR, str(cache))
+    jax.config.update(_MIN_COMPILE_S, 0.0)
+    compilation_cache.reset_cache()
+    jax.clear_caches()  # earlier tests' executables of the same steps are in memory
+    try:
+        report = swa_scratch.precompile_cells(model, config, params, cells, cap, prompts, 2)
+        gc.collect()
+        assert len(engines) == 3 and all(e() is None for e in engines)
+        # pinned_8k ON and OFF split the cap differently; adaptive's split is ON's here
+        layouts = {swa_scratch.cell_layout(config, params, s, sc, cap, prompts) for s, sc in cells}
+        assert report["layouts"] == len(layouts) == 2
+        engine, _ = make(model, config, params, *cells[-1], cap, prompts)
+        assert report["variants"] == 2 * len(engine.step_buckets())
+        entries = sorted(p.name for p in cache.iterdir())
+        assert len(entries) >= report["variants"]
+        jax.clear_caches()  # as in a new process: only the persistent cache holds them
+        engine.precompile()  # a cell's own compile: every executable from the cache
+        assert sorted(p.name for p in cache.iterdir()) == entries
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
