@@ -343,11 +343,15 @@ class MoE(nnx.Module):
         def gmm(lhs, param):
             w = param.get_value()
             if isinstance(w, StackedRow) and w.dtype == self.dtype:
-                # The run's whole stack [R * E, K, N], this layer's experts' groups in place.
+                # The run's whole stack [R * E, K, N]; this layer's E groups read in place.
                 stack = w.stack.reshape(-1, *w.shape[1:])
-                sizes = jnp.zeros((stack.shape[0],), jnp.int32)
-                sizes = jax.lax.dynamic_update_slice(sizes, group_sizes, (w.index * num_experts,))
-                return grouped_matmul(lhs, stack, sizes, implementation=impl)
+                return grouped_matmul(
+                    lhs,
+                    stack,
+                    group_sizes,
+                    group_offset=w.index * num_experts,
+                    implementation=impl,
+                )
             return grouped_matmul(
                 lhs, param[...].astype(self.dtype), group_sizes, implementation=impl
             )

@@ -187,13 +187,13 @@ class Transformer(nnx.Module):
             slicing them per repetition, which XLA does by copying each matrix before its
             GEMM (a fixed cost per step, about twice the weights' bytes; see
             `experiments/probe_layer_scan.py`). True / 'unrolled': the run unrolled with
-            static slices, which XLA fuses into the GEMMs (no copies but the MoE experts';
-            traced and compiled per layer; see `_unrolled_run`): for steps whose time is
-            the weights' bytes (decode). 'grouped' (or its implementations 'pallas' /
-            'reference'): the scan kept, each matrix multiplied in the stack by the grouped
-            matmul (`gemma._layers.StackedRow`; for study, far slower at decode: the
-            kernel's row tiles grow with the stack's groups). The same numbers up to the
-            GEMMs' accumulation order.
+            static slices, which XLA fuses into the GEMMs (no copies; traced and compiled
+            per layer; the MoE experts read in their stack, see `_unrolled_run`): for
+            steps whose time is the weights' bytes (decode). 'grouped' (or its
+            implementations 'pallas' / 'reference'): the scan kept, each matrix multiplied in
+            the stack by the grouped matmul (`gemma._layers.StackedRow`; for study, far slower
+            at decode: the kernel's row tiles grow with the stack's groups). The same numbers
+            up to the GEMMs' accumulation order.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -414,23 +414,34 @@ def _scan_run(
 def _unrolled_run(run: LayerRun, graphdef, stacked, x, positions, ple, attention_fn, state):
     """The run's repetitions one after another in the traced program, each taking its
     parameters as static slices of the stacks: XLA fuses a static slice of a parameter into the
-    GEMM that reads it, so the dense weights are read where they lie (no copies), at the cost of
-    tracing and compiling every layer.
+    GEMM that reads it, so the weights are read where they lie (no copies), at the cost of
+    tracing and compiling every layer. The MoE experts' stacks are the exception: their
+    grouped matmul is a custom call, which XLA cannot fuse a slice into (a slice there would be
+    a copy of every expert), so they stay whole as `StackedRow`s and the grouped matmul reads
+    this layer's experts in the stack (`group_offset`)."""
 
-    The MoE experts are the exception: their grouped matmul is a custom call, which XLA cannot
-    fuse a slice into, so each layer's experts are copied out of the stack (the scan's cost,
-    for them only). Passing the whole stack instead (count x num_experts groups, this layer's
-    selected by their sizes) costs more: the Hopper kernel walks M / 64 + G - 1 row tiles, each
-    through the whole K loop whether or not a group owns it, and unrolls its search over the G
-    groups, so its work and its code grow with the run's count."""
+    def row(path, a, c):
+        if _is_expert_stack(path):
+            return StackedRow(a, c)
+        return jax.lax.index_in_dim(a, c, keepdims=False)
+
     for c in range(run.count):
-        params = jax.tree.map(lambda a, c=c: jax.lax.index_in_dim(a, c, keepdims=False), stacked)
+        params = jax.tree_util.tree_map_with_path(lambda p, a, c=c: row(p, a, c), stacked)
         for r, block in enumerate(nnx.merge(graphdef, params)):
             like = run.first + r
             p = None if ple is None else ple[c][..., r, :]
             layer = LayerRef.of(like + c * run.period)  # unrolled: the layer is its own like
             x, state = block(x, positions, p, attention_fn, state, layer)
     return x, state
+
+
+def _is_expert_stack(path) -> bool:
+    """Whether a parameter path (`jax.tree_util` keys) names an MoE expert matrix."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return any(
+        a == "moe" and b in ("gate_proj", "up_proj", "down_proj")
+        for a, b in zip(keys, keys[1:], strict=False)
+    )
 
 
 @functools.partial(nnx.jit, static_argnames="weights_in_place")

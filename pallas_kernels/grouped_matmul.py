@@ -18,6 +18,16 @@ Implementations:
   of 64.
 - "auto": "pallas" on a Hopper GPU where `supports` holds, else "reference".
 
+With `group_offset`, `group_sizes` (E entries) describes groups [offset, offset + E) of a larger
+stack `rhs` [G, K, N], e.g. one layer's experts in a stack of every layer's: the products read
+those groups where they lie, without copying them out of the stack. There "pallas" is this
+module's tile kernel (`tile_grouped_matmul`): the JAX side lists a tile per (non-empty group,
+64-row block it has rows in), and the kernel runs those tiles only, each through the K loop
+of its group's matrix, into a tile-padded output that a gather puts back in row order. The
+whole stack is never walked (the kernel above walks M / 64 + G - 1 row tiles and unrolls its
+group search over G, so a stack of several layers' experts would multiply its work and its
+code by the layers). It has an interpret mode (`_checks.interpret_params`).
+
 Tiles: 64 x 64 (K) x 128 (N, 64 when N is not a multiple of 128), 128 rows once M reaches 4096
 (prefill), four stages of copies in flight: at most (128*64 + 64*128) * 2 B * 4 + 128*128*2 B
 = 160 KiB of shared memory, inside the 227 KiB of an H100/H200 block.
@@ -85,14 +95,19 @@ def _check(lhs, rhs, group_sizes, implementation):
         )
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str = "auto"):
+def grouped_matmul(lhs, rhs, group_sizes, *, group_offset=None, implementation: str = "auto"):
     """lhs [M, K] (rows sorted by group) x rhs [G, K, N] per group -> [M, N] in lhs.dtype.
 
     Args:
       group_sizes: i32[G] rows of each group, summing to M (the caller's invariant: rows past
-        the sum are not written by the kernel).
+        the sum are not written by the kernel); with `group_offset`, i32[E] for groups
+        [group_offset, group_offset + E) of rhs.
+      group_offset: None, or the first group of rhs that `group_sizes` describes (int or i32
+        scalar; the caller keeps it in [0, G - E]).
       implementation: "auto", "reference" or "pallas" (see the module text).
     """
+    if group_offset is not None:
+        return _offset_grouped_matmul(lhs, rhs, group_sizes, group_offset, implementation)
     _check(lhs, rhs, group_sizes, implementation)
     use = implementation == "pallas" or (
         implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
@@ -105,3 +120,118 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str = "auto"):
     return ragged_dot_mgpu.ragged_dot(
         lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **tiles(m, n)
     )
+
+
+# ------------------------------------------------------------------ groups within a larger stack
+TILE_ROWS = 64  # rows of one tile: one warpgroup's WGMMA
+TILE_STEPS = 4  # K blocks of copies in flight
+
+
+def _offset_grouped_matmul(lhs, rhs, group_sizes, group_offset, implementation):
+    sizes_shape = getattr(group_sizes, "shape", None)
+    if getattr(rhs, "ndim", None) != 3 or sizes_shape is None or len(sizes_shape) != 1:
+        raise ValueError(
+            f"with group_offset, rhs must be [G, K, N] and group_sizes i32[E], got shapes "
+            f"{getattr(rhs, 'shape', None)} and {sizes_shape}"
+        )
+    e, g = sizes_shape[0], rhs.shape[0]
+    if e > g:
+        raise ValueError(f"group_sizes describes {e} groups but rhs has only {g}")
+    if isinstance(group_offset, int) and not 0 <= group_offset <= g - e:
+        raise ValueError(
+            f"group_offset must be in [0, {g - e}] for {e} of {g} groups, got {group_offset}"
+        )
+    # the contract on the E groups' slice (shapes only: the slice is never materialised here)
+    _check(lhs, jax.ShapeDtypeStruct((e, *rhs.shape[1:]), rhs.dtype), group_sizes, implementation)
+    use = implementation == "pallas" or (
+        implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
+    )
+    offset = jnp.asarray(group_offset, jnp.int32)
+    if not use:
+        part = jax.lax.dynamic_slice_in_dim(rhs, offset, e, axis=0)
+        return grouped_matmul_reference(lhs, part, group_sizes)
+    return tile_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), offset)
+
+
+def tile_plan(group_sizes, num_rows: int, rows: int = TILE_ROWS):
+    """The tiles that cover each group's rows, for M = num_rows rows sorted by group: one per
+    (group, aligned block of `rows` rows the group has rows in); a block that straddles groups
+    is computed once per group, each keeping its own rows. Empty groups get no tile.
+
+    Returns (tile_group i32[T], tile_block i32[T], num_tiles i32[], row_slot i32[M]): tile
+    t < num_tiles multiplies rows [tile_block[t] * rows, + rows) by group tile_group[t] (of
+    the E groups), and row i's product lands at row row_slot[i] of the tile-padded output.
+    T = ceil(M / rows) + min(E, M) bounds the tiles of any sizes summing to M."""
+    e = group_sizes.shape[0]
+    max_tiles = -(-num_rows // rows) + min(e, num_rows)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // rows
+    tiles = jnp.where(sizes > 0, (ends - 1) // rows - first + 1, 0)
+    tile_ends = jnp.cumsum(tiles)
+    tile_begins = tile_ends - tiles
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    group = jnp.minimum(
+        jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), e - 1
+    ).astype(jnp.int32)
+    block = first[group] + t - tile_begins[group]
+    i = jnp.arange(num_rows, dtype=jnp.int32)
+    row_group = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), e - 1)
+    row_slot = (tile_begins[row_group] + i // rows - first[row_group]) * rows + i % rows
+    return group, block.astype(jnp.int32), tile_ends[-1], row_slot.astype(jnp.int32)
+
+
+def tile_grouped_matmul(lhs, rhs, group_sizes, group_offset):
+    """The tile kernel: lhs [M, K] (rows sorted by group) x groups [offset, offset + E) of rhs
+    [G, K, N], E = len(group_sizes) -> [M, N]. Each program is one (tile, column block): if
+    the tile exists (`tile_plan`), its block of 64 rows times its group's [K, block_n] columns,
+    K streamed in 64-deep blocks; the tile-padded output is then gathered back to row order,
+    which keeps each row's product by its own group."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    block_n = 128 if n % 128 == 0 else 64
+    group, block, num_tiles, row_slot = tile_plan(group_sizes, m)
+    group = group + group_offset
+    max_tiles = group.shape[0]
+    pad = -m % TILE_ROWS  # whole blocks of rows
+    if pad:
+        lhs = jnp.concatenate([lhs, jnp.zeros((pad, k), lhs.dtype)])
+
+    def body(group_ref, block_ref, count_ref, lhs_ref, rhs_ref, out_ref):
+        t = jax.lax.axis_index("t")
+        col = jax.lax.axis_index("n")
+
+        @pl.when(t < count_ref[0])
+        def _():
+            row_block = block_ref[t]
+
+            def tile(acc_ref):
+                plgpu.emit_pipeline(
+                    lambda _, a, b: plgpu.wgmma(acc_ref, a, b),
+                    grid=(k // BLOCK_K,),
+                    in_specs=[
+                        plgpu.BlockSpec((TILE_ROWS, BLOCK_K), lambda kb: (row_block, kb)),
+                        plgpu.BlockSpec((BLOCK_K, block_n), lambda kb: (kb, col)),
+                    ],
+                    max_concurrent_steps=TILE_STEPS,
+                )(lhs_ref, rhs_ref.at[group_ref[t]])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(tile, plgpu.ACC((TILE_ROWS, block_n)))
+            out_ref[pl.ds(t * TILE_ROWS, TILE_ROWS), pl.ds(col * block_n, block_n)] = acc.astype(
+                out_ref.dtype
+            )
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((max_tiles * TILE_ROWS, n), lhs.dtype),
+        grid=(max_tiles, n // block_n),
+        grid_names=("t", "n"),
+        interpret=_checks.interpret_params(),
+    )
+    padded = kernel(group, block, num_tiles.reshape(1), lhs, rhs)
+    return padded[row_slot]

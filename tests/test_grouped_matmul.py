@@ -13,7 +13,7 @@ import pytest
 
 from gemma import configs
 from pallas_kernels import _checks
-from pallas_kernels.grouped_matmul import grouped_matmul, supports
+from pallas_kernels.grouped_matmul import grouped_matmul, supports, tile_plan
 
 # (hidden, moe_intermediate, experts, experts per token) of every MoE preset, with its users.
 MOE_GEOMETRIES: dict[tuple[int, int, int, int], list[str]] = {}
@@ -133,4 +133,109 @@ def test_kernel_matches_oracle_on_gpu(geom, step):
         )
         got = np.asarray(got, np.float32)
         assert np.isfinite(got).all(), (m, k, n, g)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------ groups within a larger stack
+def test_tile_plan_by_hand():
+    """Sizes [3, 0, 70, 64], 137 rows in 64-row blocks: group 0 has rows in block 0, group 2
+    in blocks 0-1, group 3 in blocks 1-2 (a block shared by two groups is a tile of each);
+    each row lands at its own group's tile."""
+    group, block, count, slot = tile_plan(jnp.asarray([3, 0, 70, 64], jnp.int32), 137)
+    assert int(count) == 5 and group.shape == (3 + 4,)  # ceil(137 / 64) + min(4, 137) tiles
+    assert group[:5].tolist() == [0, 2, 2, 3, 3] and block[:5].tolist() == [0, 0, 1, 1, 2]
+    want = [*range(0, 3), *range(67, 128), *range(128, 137), *range(201, 256), *range(256, 265)]
+    assert slot.tolist() == want
+
+
+def _offset_case(rng, m, k, n, e, layers, offset):
+    sizes = skewed_sizes(rng, m, e)
+    lhs = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)
+    stack = np.asarray(jnp.asarray(rng.standard_normal((layers * e, k, n)), jnp.bfloat16))
+    stack = stack.astype(np.float32)
+    want = oracle(np.asarray(lhs, np.float32), stack[offset : offset + e], sizes)
+    # Other layers' groups and this layer's empty groups are NaN: never to be read.
+    poisoned = np.ones(layers * e, bool)
+    poisoned[offset + np.flatnonzero(sizes)] = False
+    stack[poisoned] = np.nan
+    return lhs, jnp.asarray(stack, jnp.bfloat16), jnp.asarray(sizes), want
+
+
+@pytest.mark.parametrize(
+    "m, layers, offset",
+    [(150, 3, 6), (64, 2, 0), (200, 3, 12), (1, 2, 6)],
+    ids=["middle", "one-tile", "last", "one-row"],
+)
+def test_tile_kernel_reads_one_layer_s_groups_in_interpret_mode(m, layers, offset):
+    """The tile kernel (GPU interpret mode, race detection on) on skewed groups against float64
+    numpy: groups of several tiles, tiles that read into the next group, empty groups."""
+    rng = np.random.default_rng([m, layers, offset])
+    lhs, rhs, sizes, want = _offset_case(rng, m, 128, 192, 6, layers, offset)
+    with _checks.force_interpret():
+        got = grouped_matmul(lhs, rhs, sizes, group_offset=offset, implementation="pallas")
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    # the reference takes a traced offset
+    clean = jnp.where(jnp.isnan(rhs), 0, rhs)
+    ref = jax.jit(
+        lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="reference")
+    )(lhs, clean, sizes, jnp.int32(offset))
+    np.testing.assert_allclose(np.asarray(ref, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_group_offset_is_checked():
+    lhs = jnp.zeros((8, 64), jnp.bfloat16)
+    rhs = jnp.zeros((6, 64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"group_offset must be in \[0, 3\]"):
+        grouped_matmul(lhs, rhs, jnp.zeros((3,), jnp.int32), group_offset=4)
+    with pytest.raises(ValueError, match="describes 7 groups but rhs has only 6"):
+        grouped_matmul(lhs, rhs, jnp.zeros((7,), jnp.int32), group_offset=0)
+    with pytest.raises(ValueError, match="N a multiple of 64"):
+        rhs48 = jnp.zeros((6, 64, 48), jnp.bfloat16)
+        grouped_matmul(
+            lhs, rhs48, jnp.zeros((3,), jnp.int32), group_offset=0, implementation="pallas"
+        )
+
+
+def _stack_layers(name: str) -> int:
+    """The most layers one scanned run of preset `name` stacks."""
+    from gemma._checkpoint import abstract_model
+
+    model = abstract_model(configs.preset(name), jnp.bfloat16)
+    return max(run.count for run in model.layer_runs)
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=IDS)
+def test_tile_kernel_lowers_for_cuda_at_preset_geometries(geom):
+    """Mosaic GPU lowering of the tile kernel at each MoE preset's decode products, reading
+    the last layer's experts of its largest stack."""
+    layers = max(_stack_layers(name) for name in MOE_GEOMETRIES[geom])
+    for m, k, n, e in _moe_products(geom, COPIES["decode"]):
+        sds = jax.ShapeDtypeStruct
+        args = (sds((m, k), jnp.bfloat16), sds((layers * e, k, n), jnp.bfloat16))
+        args += (sds((e,), jnp.int32),)
+        offset = (layers - 1) * e
+        with _checks.force_compiled():
+            f = jax.jit(
+                lambda a, b, c, o=offset: grouped_matmul(
+                    a, b, c, group_offset=o, implementation="pallas"
+                )
+            )
+            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (m, k, n, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geom", GEOMS, ids=IDS)
+def test_tile_kernel_matches_oracle_on_gpu(geom):
+    """The compiled tile kernel at each MoE preset's decode products, one layer of a stack."""
+    rng = np.random.default_rng([*geom, 1])
+    for m, k, n, e in _moe_products(geom, COPIES["decode"]):
+        lhs, rhs, sizes, want = _offset_case(rng, m, k, n, e, 3, e)
+        got = jax.jit(
+            lambda a, b, c, o=e: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
+        )(lhs, rhs, sizes)
+        got = np.asarray(got, np.float32)
+        assert np.isfinite(got).all(), (m, k, n, e)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

@@ -273,16 +273,16 @@ def _slices_of(jaxpr, shapes) -> list[tuple]:
     return found
 
 
-def test_unrolled_gives_each_grouped_matmul_one_layer_s_experts(monkeypatch):
-    """Unrolled, the dense matrices and the experts come as static slices of their stacks, and
-    every grouped matmul multiplies by one layer's experts: G = num_experts groups. (The Hopper
-    kernel walks M / 64 + G - 1 row tiles and unrolls its group search over G, so a run's whole
-    stack, count x num_experts groups, would multiply its work and its code by the count.)"""
+def test_unrolled_reads_each_layer_s_experts_in_the_stack(monkeypatch):
+    """Unrolled, the dense matrices come as static slices (fused into their GEMMs), but the
+    experts' grouped matmul is a custom call that would get a copy of a sliced stack: the
+    stacks are passed whole, and each grouped matmul gets one layer's E group sizes and that
+    layer's offset in the stack (not count x E sizes: the Hopper kernel's work and code grow
+    with the groups it is given)."""
     import gemma._layers
 
     scanned, _ = model_pair("gemma4_moe")
     config = scanned.config
-    assert any(run.count > 1 for run in scanned.layer_runs)  # a stack of several layers
     tokens = jnp.ones((1, 8), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
     graphdef, params = nnx.split(scanned)
@@ -300,35 +300,39 @@ def test_unrolled_gives_each_grouped_matmul_one_layer_s_experts(monkeypatch):
     dense = {s for s in shapes(r"\['mlp'\]\['(gate|up|down)_proj'\]") if s[0] > 1}
     assert experts and dense and not experts & dense
 
-    groups = []
+    calls = []
     grouped_matmul = gemma._layers.grouped_matmul
 
     def recording(lhs, rhs, group_sizes, **kw):
-        groups.append(rhs.shape[0])
+        calls.append((rhs.shape[0], group_sizes.shape[0], kw.get("group_offset")))
         return grouped_matmul(lhs, rhs, group_sizes, **kw)
 
     monkeypatch.setattr(gemma._layers, "grouped_matmul", recording)
 
     def forward(params):  # traced anew (a jitted forward may hold an earlier test's trace)
         model = nnx.merge(graphdef, params)
-        state = gemma.DenseAttentionState(positions=positions, segment_ids=None)
-        attention_fn = gemma.dense_attention_fn(config.layer_specs)
         logits, _ = model.forward(
             tokens,
             positions,
-            attention_fn=attention_fn,
-            attention_state=state,
+            attention_fn=gemma.dense_attention_fn(config.layer_specs),
+            attention_state=gemma.DenseAttentionState(positions=positions, segment_ids=None),
             weights_in_place=True,
         )
         return logits
 
     jaxpr = jax.make_jaxpr(forward)(params).jaxpr
-    found = _slices_of(jaxpr, dense | experts)
-    sliced = {s for p, s in found if p == "slice"}  # static slices
-    assert experts <= sliced and dense & sliced
-    assert not [s for p, s in found if p == "dynamic_slice"]
-    moe_layers = config.num_layers  # every gemma4_moe layer has experts
-    assert groups == [config.num_experts] * (3 * moe_layers)
+    assert _slices_of(jaxpr, dense)  # the dense MLP's stacks: static slices
+    assert _slices_of(jaxpr, experts) == []
+    e = config.num_experts
+    want = [
+        (run.count * e, e, c * e) if run.count > 1 else (e, e, None)  # a run of one: unstacked
+        for run in scanned.layer_runs
+        for c in range(run.count)
+        for _ in range(run.period)
+        for _ in range(3)
+    ]
+    assert any(run.count > 1 for run in scanned.layer_runs)  # offsets past the first layer
+    assert calls == want, (calls, [(r.count, r.period) for r in scanned.layer_runs])
 
 
 def test_decode_weights_in_place_is_checked():
