@@ -45,6 +45,9 @@ for stage in "$@"; do
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
         ${REQUESTS:+--requests $REQUESTS} ${SCRATCH_ARGS:-} --out "$OUT/$name.json" \
         --merge "experiments/results/$name.json" ;;
+    moe)  # one MoE layer's decode products: experts read in the stack vs copied out of it
+      run moe "${STAGE_LIMIT_moe:-240}" python3 experiments/bench_moe.py \
+        --out "$OUT/moe_decode_h200.json" ;;
     probe-ledger)  # PROBE_PRESET=gemma4_31b PROBE_VARIANTS=pallas,ref-attention
       run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
         --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \

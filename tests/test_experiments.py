@@ -479,3 +479,33 @@ def test_precompiled_cells_are_what_the_cells_compile(tmp_path, monkeypatch):
         for k, v in saved.items():
             jax.config.update(k, v)
         compilation_cache.reset_cache()
+
+
+# ----------------------------------------------------------------------------- bench_moe
+bench_moe = _load("bench_moe")
+
+
+def test_bench_moe_quick(tmp_path):
+    """The MoE decode benchmark at a tiny geometry: the tile kernel (interpret mode) reading the
+    last layer's experts in the stack agrees with ragged_dot on that layer's own array."""
+    out = tmp_path / "moe.json"
+    res = bench_moe.main(["--quick", "--out", str(out)])
+    (rec,) = json.loads(out.read_text())["records"]
+    assert res["records"][0] == rec and "error" not in rec
+    assert rec["form"] == "tile_in_place" and rec["geometry"]["layers"] == 3
+    assert 0 < rec["active_experts"] <= 8 and rec["max_abs_err"] < 2e-2
+    assert rec["moved_bytes"] == rec["active_bytes"] == rec["active_experts"] * 3 * 128 * 64 * 2
+
+
+def test_bench_moe_geometries_come_from_the_presets():
+    geoms = bench_moe.moe_geometries()
+    assert geoms and all(names for names in geoms.values())
+    for (d, f, e, k, layers), names in geoms.items():
+        c = gemma.configs.preset(names[0])
+        assert (d, f, e, k) == (
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.num_experts,
+            c.num_experts_per_token,
+        )
+        assert 1 < layers < c.num_layers
