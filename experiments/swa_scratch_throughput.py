@@ -96,6 +96,7 @@ PRESETS = (
     "gemma3_27b",
 )
 SETUPS = ("cap_only", "pinned_8k", "adaptive")
+CONTROL = "control"  # a record of pinned_8k ON run again after the preset's other cells
 SCRATCH = {"cap_only": (False, True), "pinned_8k": (False, True), "adaptive": (True,)}
 # Published ON vs OFF throughput change, % (TensorRT-LLM, KV cache manager V2, B200).
 PUBLISHED = {
@@ -158,6 +159,10 @@ class Params:
     # (`bench_generate.profile_run`: the device's busy time against the wall time, top
     # kernels); 0: none. Not part of the workload.
     profile: int = 0
+    # After a preset's cells, its pinned_8k ON cell runs once more (record setup "control"):
+    # the same cell first and last, so that the cells' order shows in its time. Not part of
+    # the workload.
+    control: bool = False
     # With the persistent compilation cache on, every cell's step variants compile up front in
     # this many threads (`precompile_cells`), and each cell then reads them from the cache;
     # 0: each cell compiles its own (two variants at a time). Not part of the workload.
@@ -878,6 +883,13 @@ def format_table(records: list[dict], comp: dict) -> str:
         f"of n checked divergences part at a near tie (top-2 gap < {NEAR_TIE} relative)."
     )
     for r in records:
+        if r["setup"] == CONTROL and "error" not in r:
+            lines.append(
+                f"control {r['preset']} pinned_8k ON run again last: "
+                f"{r['output_tokens_per_s']:.1f} out tok/s, {_fmt(r['change_vs_first_run_pct'])} % "
+                f"vs its first run, same tokens: {r['same_tokens_as_first_run']}"
+            )
+    for r in records:
         if "error" in r:
             lines.append(
                 f"ERROR {r['preset']} {r['setup']} scratch={r['scratch']}: "
@@ -1011,6 +1023,13 @@ def parse(argv=None):
         help="after each cell, N of its requests once more under the profiler (0: none)",
     )
     p.add_argument(
+        "--control",
+        action="store_const",
+        const=True,
+        default=None,
+        help="run each preset's pinned_8k ON cell again after its other cells",
+    )
+    p.add_argument(
         "--precompile-workers",
         type=int,
         default=None,
@@ -1047,6 +1066,7 @@ def parse(argv=None):
             "decode_weights_in_place",
             "profile",
             "precompile_workers",
+            "control",
         )
         if getattr(args, k) is not None
     }
@@ -1189,7 +1209,11 @@ def main(argv=None) -> dict:
                 flush=True,
             )
         outputs_of = {}  # (setup, scratch) -> every request's tokens
-        for setup, scratch in cells:
+        runs = list(cells)
+        if params.control and ("pinned_8k", True) in cells:
+            runs.append((CONTROL, True))
+        for setup, scratch in runs:
+            served = "pinned_8k" if setup == CONTROL else setup  # the control: pinned ON again
             rec = dict(
                 preset=preset,
                 setup=setup,
@@ -1199,15 +1223,27 @@ def main(argv=None) -> dict:
                 implementation=params.implementation,
                 init_s=init_s,
                 precompiled=precompiled,
-                predicted=predicted[setup, scratch],
+                predicted=predicted[served, scratch],
                 git_commit=meta["git_commit"],
                 utc=meta["utc"],
             )
             try:
-                cell, outputs_of[setup, scratch] = run_cell(
-                    model, config, params, setup, scratch, cap, prompts
-                )
+                cell, outputs = run_cell(model, config, params, served, scratch, cap, prompts)
                 rec.update(cell)
+                if setup == CONTROL:
+                    first = next(
+                        r
+                        for r in new_records
+                        if (r["preset"], r["setup"], r["scratch"]) == (preset, "pinned_8k", True)
+                    )
+                    rec.update(
+                        control_of="pinned_8k",
+                        same_tokens_as_first_run=first.get("request_digests")
+                        == rec["request_digests"],
+                        change_vs_first_run_pct=_change(rec, first),
+                    )
+                else:
+                    outputs_of[setup, scratch] = outputs
             except CellLimit as e:
                 rec.update(error=str(e), partial_seconds=e.seconds, partial_output_tokens=e.tokens)
             except Exception:  # noqa: BLE001 - one failed cell must not lose the others

@@ -223,10 +223,15 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     sliding layers in one pool. Oracles: the OFF cells' tokens (greedy), the cap, and the
     ledger simulation of the same workload (it plans what the engine runs)."""
     out = tmp_path / "swa.json"
-    argv = ["--quick", "--setups", "pinned_8k,adaptive", "--out", str(out)]
+    argv = ["--quick", "--setups", "pinned_8k,adaptive", "--control", "--out", str(out)]
     swa_scratch.main(argv)
     data = json.loads(out.read_text())
     recs = {(r["setup"], r["scratch"]): r for r in data["records"]}
+    # the control: pinned_8k ON again after the other cells, the same tokens, outside the table
+    control = recs.pop(("control", True))
+    assert control["control_of"] == "pinned_8k" and control["same_tokens_as_first_run"] is True
+    assert control["request_digests"] == recs["pinned_8k", True]["request_digests"]
+    assert "same_tokens_as_off" not in control and "control" not in data["comparison"]["gemma4_e2b"]
     assert set(recs) == {("pinned_8k", False), ("pinned_8k", True), ("adaptive", True)}
     assert [r.get("error") for r in recs.values() if "error" in r] == []
     # decode steps read the weights in place by default, and the workload says so
@@ -258,14 +263,15 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     assert row["pinned_8k"]["published_pct"] == 59.6 and "adaptive" in row
     table = capsys.readouterr().out
     assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table and "in place" in table
+    assert "control gemma4_e2b pinned_8k ON run again last" in table
     assert (tmp_path / "swa.png").stat().st_size > 10_000
     # a second invocation replaces its cells and keeps the others
     swa_scratch.main(["--quick", "--setups", "adaptive", "--profile", "2", "--out", str(out)])
     again = json.loads(out.read_text())
-    assert len(again["runs"]) == 2 and len(again["records"]) == 3
+    assert len(again["runs"]) == 2 and len(again["records"]) == 4
     prof = next(r for r in again["records"] if r["setup"] == "adaptive")["profile"]
     assert prof["requests"] == 2 and prof["steps"] > 8 and prof["wall_s"] > 0
-    assert {(r["setup"], r["scratch"]) for r in again["records"]} == set(recs)
+    assert {(r["setup"], r["scratch"]) for r in again["records"]} == {*recs, ("control", True)}
 
 
 def test_swa_scratch_records_merge_and_token_check():
