@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 experiments/bench_moe.py --out $OUT/moe_decode_h200.json
     PYTHONPATH=. .venv/bin/python experiments/bench_moe.py --quick   # CPU smoke, interpret mode
 
-Per MoE preset geometry (`gemma.configs`) and decode batch: the three products of the last
+Per MoE preset geometry (`gemma.configs`) and tokens per step (decode batches, and one
+8192-token prefill step): the three products of the last
 layer of the preset's largest scanned run (gate, up: [copies, hidden] x [hidden, moe_ff];
 down: [copies, moe_ff] x [moe_ff, hidden]; copies = rows x experts per token, each token routed
 to distinct uniformly drawn experts), in three forms:
@@ -16,7 +17,8 @@ to distinct uniformly drawn experts), in three forms:
     the other kernel's own time).
 Bytes: the routed experts' weights, once (`active_bytes`), plus for the sliced form the copy
 of every expert of the layer (read and written; `moved_bytes`); the prediction is the bytes
-moved at the copy ceiling (`--tbs`). Timing: `bench_kernels.time_calls` (warm-up, median
+moved at the copy ceiling (`--tbs`), or the FLOPs at the bf16 peak (`--tflops`) where
+that is longer (the 8192-token prefill step). Timing: `bench_kernels.time_calls` (warm-up, median
 over reps of back-to-back calls). The stacks exceed the L2 many times over.
 
 Writes JSON (device, versions, commit, parameters; `records`: one per geometry x batch x form,
@@ -45,6 +47,7 @@ from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 FORMS = ("tile_in_place", "slice_then_ragged_dot", "ragged_dot_own_array")
 COPY_TBS = 4.18  # device-to-device copy ceiling of the H200 (NOTES: kernels_h200_v8_presets)
+PEAK_TFLOPS = 989.0  # the H200's dense bf16 peak
 
 
 def moe_geometries() -> dict[tuple[int, int, int, int, int], list[str]]:
@@ -86,6 +89,16 @@ def layer_products(geom, rows, rng, dtype):
     return jnp.asarray(sizes), products, active_bytes, active
 
 
+def sampled_error(out, lhs, w, sizes, samples: int = 64) -> float:
+    """Max |out - lhs @ w[group]| over up to `samples` evenly spaced rows, in float32 (a dense
+    oracle of every row would hold [G, M, N] floats at a prefill step)."""
+    m = lhs.shape[0]
+    rows = np.unique(np.linspace(0, m - 1, min(samples, m)).astype(np.int64))
+    group = np.searchsorted(np.cumsum(np.asarray(sizes)), rows, side="right")
+    want = jnp.einsum("nk,nkf->nf", lhs[rows].astype(jnp.float32), w[group].astype(jnp.float32))
+    return float(jnp.max(jnp.abs(out[rows].astype(jnp.float32) - want)))
+
+
 def form_fn(form: str, e: int, offset: int):
     """The jitted layer (three products) of one form."""
     impl = "pallas"
@@ -116,9 +129,12 @@ def main(argv=None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("experiments/results/moe_decode_h200.json"))
-    p.add_argument("--rows", default="8,32", help="decode batches (tokens per step)")
+    p.add_argument(
+        "--rows", default="8,32,8192", help="tokens per step (decode batches; 8192: a prefill step)"
+    )
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--tbs", type=float, default=COPY_TBS, help="bytes/s ceiling, 1e12")
+    p.add_argument("--tflops", type=float, default=PEAK_TFLOPS, help="bf16 FLOP/s ceiling, 1e12")
     p.add_argument("--quick", action="store_true", help="tiny geometry, interpret mode, CPU")
     args = p.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",") if r]
@@ -131,7 +147,9 @@ def main(argv=None) -> dict:
         rows_list, forms = [2], ["tile_in_place"]
     else:
         geoms = moe_geometries()
-    meta = run_metadata(rows=rows_list, forms=forms, tbs=args.tbs, quick=args.quick)
+    meta = run_metadata(
+        rows=rows_list, forms=forms, tbs=args.tbs, tflops=args.tflops, quick=args.quick
+    )
     records = []
     rng = np.random.default_rng(0)
     for geom, presets in geoms.items():
@@ -145,6 +163,7 @@ def main(argv=None) -> dict:
                 # bytes moved: the routed experts read once, plus (sliced) every expert of the
                 # layer read and written by the copy
                 moved = active_bytes + (2 * layer_bytes if form == "slice_then_ragged_dot" else 0)
+                flops = 2 * rows * k * 3 * d * f
                 rec = dict(
                     presets=presets,
                     geometry=dict(hidden=d, moe_ff=f, experts=e, per_token=k, layers=layers),
@@ -153,7 +172,8 @@ def main(argv=None) -> dict:
                     active_experts=active,
                     active_bytes=active_bytes,
                     moved_bytes=moved,
-                    predicted_ms=moved / (args.tbs * 1e12) * 1e3,
+                    flops=flops,
+                    predicted_ms=max(moved / args.tbs, flops / args.tflops) / 1e9,
                     form=form,
                 )
                 try:
@@ -166,13 +186,9 @@ def main(argv=None) -> dict:
                     else:
                         out = fn(sizes, inputs)
                         ms = time_calls(lambda fn=fn, s=sizes, x=inputs: fn(s, x))
-                    want = [
-                        jax.lax.ragged_dot(lhs.astype(jnp.float32), w.astype(jnp.float32), sizes)
-                        for lhs, w in own
-                    ]
                     err = max(
-                        float(jnp.max(jnp.abs(o.astype(jnp.float32) - w)))
-                        for o, w in zip(out, want, strict=True)
+                        sampled_error(o, lhs, w, sizes)
+                        for o, (lhs, w) in zip(out, own, strict=True)
                     )
                     rec.update(max_abs_err=err, time_ms=ms)
                     if ms is not None:
