@@ -112,11 +112,15 @@ PUBLISHED = {
 # A step never takes less than the host needs to launch it: ~0.21 ms per layer, the
 # least-squares slope through the inter-token latency p50 of the OFF cells of Gemma 3 270M /
 # 1B and Gemma 4 E2B / E4B (4.1-9.6 ms at 18-42 layers; results/swa_scratch_h200.json, 876f573).
+# With in-place decode, a least-squares fit of the five Gemma 4 31B cells' times to their
+# predicted decode and prefill seconds (22f1cca, NOTES v17) gives decode steps at 0.65 of the
+# bytes floor and prefill steps at 0.92 of the matmul rate (then within 0.4 % of every cell).
 H200 = dict(
     copy_tbs=4.1,
     matmul_tflops=694.0,
-    decode_efficiency=0.58,
-    prefill_efficiency=0.5,
+    decode_efficiency=0.58,  # the scan's decode steps
+    decode_efficiency_in_place=0.65,
+    prefill_efficiency=0.92,
     host_ms_per_layer=0.21,
 )
 DEVICE_CALL_S = 600
@@ -382,7 +386,8 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         sched.add(Request(id=i, prompt=(0,) * len(p), max_new_tokens=params.output_len))
     per_token = matmul_flops_per_token(config)
     itemsize = jnp.dtype(params.kv_dtype).itemsize
-    copy = H200["copy_tbs"] * 1e12 * H200["decode_efficiency"]
+    in_place = "decode_efficiency_in_place" if params.decode_weights_in_place else None
+    copy = H200["copy_tbs"] * 1e12 * H200[in_place or "decode_efficiency"]
     matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
     decode_bucket = -(-params.rows // 8) * 8
     host_floor = H200["host_ms_per_layer"] * 1e-3 * len(config.layer_specs)
