@@ -4,9 +4,9 @@
     PYTHONPATH=. python3 experiments/bench_moe.py --out $OUT/moe_decode_h200.json
     PYTHONPATH=. .venv/bin/python experiments/bench_moe.py --quick   # CPU smoke, interpret mode
 
-Per MoE preset geometry (`gemma.configs`) and tokens per step (decode batches, and one
-8192-token prefill step): the three products of the last
-layer of the preset's largest scanned run (gate, up: [copies, hidden] x [hidden, moe_ff];
+Per MoE preset geometry (`gemma.configs.moe_geometries`) and tokens per step (decode batches,
+and one 8192-token prefill step): the three products of the last layer of the preset's largest
+scanned run (gate, up: [copies, hidden] x [hidden, moe_ff];
 down: [copies, moe_ff] x [moe_ff, hidden]; copies = rows x experts per token, each token routed
 to distinct uniformly drawn experts), in three forms:
   - `tile_in_place`: the tile kernel on the run's whole stack [layers * E, K, N] with the
@@ -42,29 +42,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from experiments._meta import run_metadata  # noqa: E402
+from gemma.configs import MoEGeometry, moe_geometries  # noqa: E402
 from pallas_kernels import _checks  # noqa: E402
 from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 FORMS = ("tile_in_place", "slice_then_ragged_dot", "ragged_dot_own_array")
 COPY_TBS = 4.18  # device-to-device copy ceiling of the H200 (NOTES: kernels_h200_v8_presets)
 PEAK_TFLOPS = 989.0  # the H200's dense bf16 peak
-
-
-def moe_geometries() -> dict[tuple[int, int, int, int, int], list[str]]:
-    """(hidden, moe_ff, experts, per token, layers of the largest run) -> presets using it."""
-    import gemma
-    from gemma._checkpoint import abstract_model
-
-    out: dict = {}
-    for name in gemma.configs.PRESET_NAMES:
-        c = gemma.configs.preset(name)
-        if not c.num_experts:
-            continue
-        model = abstract_model(c, jnp.bfloat16)
-        layers = max(run.count for run in model.layer_runs)
-        key = (c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_token)
-        out.setdefault((*key, layers), []).append(name)
-    return out
 
 
 def routed_sizes(rng, rows: int, experts: int, per_token: int) -> np.ndarray:
@@ -75,14 +59,14 @@ def routed_sizes(rng, rows: int, experts: int, per_token: int) -> np.ndarray:
 
 def layer_products(geom, rows, rng, dtype):
     """Inputs of the three products of the last layer of the stack, and their active bytes."""
-    d, f, e, k, layers = geom
+    d, f, e, k = geom.hidden, geom.moe_ff, geom.experts, geom.per_token
     sizes = routed_sizes(rng, rows, e, k)
     copies = rows * k
     active = int(np.count_nonzero(sizes))
     products = []
     for kk, n in ((d, f), (d, f), (f, d)):
         key = jax.random.key(rng.integers(2**31))
-        stack = jax.random.normal(key, (layers * e, kk, n), dtype) * 0.02
+        stack = jax.random.normal(key, (geom.stack_layers * e, kk, n), dtype) * 0.02
         lhs = jax.random.normal(jax.random.fold_in(key, 1), (copies, kk), dtype)
         products.append((lhs, stack))
     active_bytes = active * (2 * d * f + f * d) * jnp.dtype(dtype).itemsize
@@ -143,7 +127,7 @@ def main(argv=None) -> dict:
         if f not in FORMS:
             p.error(f"--forms: {f!r} is not one of {FORMS}")
     if args.quick:  # the tile kernel in interpret mode; JAX's kernel is compiled-only
-        geoms = {(128, 64, 8, 2, 3): ["tiny"]}
+        geoms = [MoEGeometry(128, 64, 8, 2, stack_layers=3, presets=("tiny",))]
         rows_list, forms = [2], ["tile_in_place"]
     else:
         geoms = moe_geometries()
@@ -152,8 +136,15 @@ def main(argv=None) -> dict:
     )
     records = []
     rng = np.random.default_rng(0)
-    for geom, presets in geoms.items():
-        d, f, e, k, layers = geom
+    for geom in geoms:
+        d, f, e, k, layers = (
+            geom.hidden,
+            geom.moe_ff,
+            geom.experts,
+            geom.per_token,
+            geom.stack_layers,
+        )
+        presets = list(geom.presets)
         offset = (layers - 1) * e
         layer_bytes = e * 3 * d * f * jnp.dtype(jnp.bfloat16).itemsize
         for rows in rows_list:

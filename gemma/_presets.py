@@ -330,6 +330,41 @@ def attention_geometries(names: tuple[str, ...] = PRESET_NAMES) -> tuple[Attenti
     return tuple(AttentionGeometry(*key, presets=tuple(users)) for key, users in found.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEGeometry:
+    """What the grouped matmul sees of an MoE layer: widths, experts, and how many layers'
+    experts one scanned run stacks (`stack_layers`, the largest run's count).
+
+    `presets` names every preset with this geometry, in `PRESET_NAMES` order.
+    """
+
+    hidden: int
+    moe_ff: int
+    experts: int
+    per_token: int
+    stack_layers: int
+    presets: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        """A short name for test ids and benchmark records, e.g. 'd2816f704e128k8'."""
+        return f"d{self.hidden}f{self.moe_ff}e{self.experts}k{self.per_token}"
+
+
+def moe_geometries(names: tuple[str, ...] = PRESET_NAMES) -> tuple[MoEGeometry, ...]:
+    """Every distinct MoE geometry of the named presets (default: all ten; dense ones have
+    none), derived from each preset's config as `attention_geometries` is."""
+    found: dict[tuple, list[str]] = {}
+    for name in names:
+        c = preset(name)
+        if not c.num_experts:
+            continue
+        stack = max(run.count for run in c.layer_runs)
+        key = (c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_token)
+        found.setdefault((*key, stack), []).append(name)
+    return tuple(MoEGeometry(*key, presets=tuple(users)) for key, users in found.items())
+
+
 def small_preset(name: str, *, num_layers: int | None = None, **overrides) -> TransformerConfig:
     """Preset `name` with its attention geometry kept and everything else shrunk.
 

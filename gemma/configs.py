@@ -4,6 +4,7 @@ from gemma._config import RopeConfig, TransformerConfig
 from gemma._presets import (
     PRESET_NAMES,
     AttentionGeometry,
+    MoEGeometry,
     attention_geometries,
     gemma3_1b,
     gemma3_4b,
@@ -15,6 +16,7 @@ from gemma._presets import (
     gemma4_31b,
     gemma4_e2b,
     gemma4_e4b,
+    moe_geometries,
     preset,
     small_preset,
 )
@@ -22,7 +24,9 @@ from gemma._presets import (
 __all__ = [
     "PRESET_NAMES",
     "AttentionGeometry",
+    "MoEGeometry",
     "attention_geometries",
+    "moe_geometries",
     "RopeConfig",
     "TransformerConfig",
     "gemma3_1b",

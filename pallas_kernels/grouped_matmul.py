@@ -70,6 +70,13 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
+def _use_kernel(lhs, rhs, implementation) -> bool:
+    """Whether a checked call runs a Pallas kernel: asked for, or 'auto' on Hopper."""
+    return implementation == "pallas" or (
+        implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
+    )
+
+
 def _check(lhs, rhs, group_sizes, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -109,10 +116,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, group_offset=None, implementation: 
     if group_offset is not None:
         return _offset_grouped_matmul(lhs, rhs, group_sizes, group_offset, implementation)
     _check(lhs, rhs, group_sizes, implementation)
-    use = implementation == "pallas" or (
-        implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
-    )
-    if not use:
+    if not _use_kernel(lhs, rhs, implementation):
         return grouped_matmul_reference(lhs, rhs, group_sizes)
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -143,11 +147,8 @@ def _offset_grouped_matmul(lhs, rhs, group_sizes, group_offset, implementation):
         )
     # the contract on the E groups' slice (shapes only: the slice is never materialised here)
     _check(lhs, jax.ShapeDtypeStruct((e, *rhs.shape[1:]), rhs.dtype), group_sizes, implementation)
-    use = implementation == "pallas" or (
-        implementation == "auto" and _checks.on_hopper() and _kernel_takes(lhs, rhs)
-    )
     offset = jnp.asarray(group_offset, jnp.int32)
-    if not use:
+    if not _use_kernel(lhs, rhs, implementation):
         part = jax.lax.dynamic_slice_in_dim(rhs, offset, e, axis=0)
         return grouped_matmul_reference(lhs, part, group_sizes)
     return tile_grouped_matmul(lhs, rhs, group_sizes.astype(jnp.int32), offset)

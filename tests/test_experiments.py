@@ -501,17 +501,3 @@ def test_bench_moe_quick(tmp_path):
     assert rec["form"] == "tile_in_place" and rec["geometry"]["layers"] == 3
     assert 0 < rec["active_experts"] <= 8 and rec["max_abs_err"] < 2e-2
     assert rec["moved_bytes"] == rec["active_bytes"] == rec["active_experts"] * 3 * 128 * 64 * 2
-
-
-def test_bench_moe_geometries_come_from_the_presets():
-    geoms = bench_moe.moe_geometries()
-    assert geoms and all(names for names in geoms.values())
-    for (d, f, e, k, layers), names in geoms.items():
-        c = gemma.configs.preset(names[0])
-        assert (d, f, e, k) == (
-            c.hidden_size,
-            c.moe_intermediate_size,
-            c.num_experts,
-            c.num_experts_per_token,
-        )
-        assert 1 < layers < c.num_layers

@@ -281,6 +281,28 @@ def test_attention_geometries_cover_every_preset_layer():
     }
 
 
+def test_moe_geometries_cover_every_moe_preset():
+    """Every preset with experts has its geometry, and `stack_layers` is the largest stack of
+    the built (abstract) model's scanned runs."""
+    from gemma._checkpoint import abstract_model
+
+    geos = gemma.configs.moe_geometries()
+    users = [n for g in geos for n in g.presets]
+    moe = [n for n in gemma.configs.PRESET_NAMES if gemma.configs.preset(n).num_experts]
+    assert moe and sorted(users) == sorted(moe)
+    for g in geos:
+        for name in g.presets:
+            c = gemma.configs.preset(name)
+            assert (g.hidden, g.moe_ff, g.experts, g.per_token) == (
+                c.hidden_size,
+                c.moe_intermediate_size,
+                c.num_experts,
+                c.num_experts_per_token,
+            )
+            model = abstract_model(c, jnp.bfloat16)
+            assert g.stack_layers == max(run.count for run in model.layer_runs) > 1
+
+
 @pytest.mark.parametrize("name", gemma.configs.PRESET_NAMES)
 def test_small_preset_keeps_attention_geometry(name):
     full, small = gemma.configs.preset(name), gemma.configs.small_preset(name)

@@ -15,15 +15,9 @@ from gemma import configs
 from pallas_kernels import _checks
 from pallas_kernels.grouped_matmul import grouped_matmul, supports, tile_plan
 
-# (hidden, moe_intermediate, experts, experts per token) of every MoE preset, with its users.
-MOE_GEOMETRIES: dict[tuple[int, int, int, int], list[str]] = {}
-for _name in configs.PRESET_NAMES:
-    _c = configs.preset(_name)
-    if _c.num_experts:
-        _key = (_c.hidden_size, _c.moe_intermediate_size, _c.num_experts, _c.num_experts_per_token)
-        MOE_GEOMETRIES.setdefault(_key, []).append(_name)
-GEOMS = list(MOE_GEOMETRIES)
-IDS = ["+".join(MOE_GEOMETRIES[g]) for g in GEOMS]
+# Every MoE preset geometry, with its users.
+GEOMS = list(configs.moe_geometries())
+IDS = ["+".join(g.presets) for g in GEOMS]
 # Token copies of one step: a 16-row decode, and a prefill step of 8192 tokens.
 COPIES = {"decode": 16, "prefill": 8192}
 
@@ -90,7 +84,7 @@ def test_bad_operands_raise_value_error(shapes, dtype, match):
 
 def _moe_products(geom, copies):
     """The three products of one MoE layer: (M, K, N, G) for gate/up and down."""
-    d, f, e, k = geom
+    d, f, e, k = geom.hidden, geom.moe_ff, geom.experts, geom.per_token
     return [(copies * k, d, f, e), (copies * k, f, d, e)]
 
 
@@ -116,7 +110,7 @@ def test_kernel_matches_oracle_on_gpu(geom, step):
     Empty groups' weights are NaN: the kernel may multiply them (a straddling tile computes
     once per group) but must never store them.
     """
-    rng = np.random.default_rng([*geom, COPIES[step]])
+    rng = np.random.default_rng([geom.hidden, geom.moe_ff, geom.experts, COPIES[step]])
     for m, k, n, g in _moe_products(geom, COPIES[step]):
         sizes = skewed_sizes(rng, m, g)
         lhs = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)
@@ -198,19 +192,11 @@ def test_group_offset_is_checked():
         )
 
 
-def _stack_layers(name: str) -> int:
-    """The most layers one scanned run of preset `name` stacks."""
-    from gemma._checkpoint import abstract_model
-
-    model = abstract_model(configs.preset(name), jnp.bfloat16)
-    return max(run.count for run in model.layer_runs)
-
-
 @pytest.mark.parametrize("geom", GEOMS, ids=IDS)
 def test_tile_kernel_lowers_for_cuda_at_preset_geometries(geom):
     """Mosaic GPU lowering of the tile kernel at each MoE preset's decode products, reading
     the last layer's experts of its largest stack."""
-    layers = max(_stack_layers(name) for name in MOE_GEOMETRIES[geom])
+    layers = geom.stack_layers
     for m, k, n, e in _moe_products(geom, COPIES["decode"]):
         sds = jax.ShapeDtypeStruct
         args = (sds((m, k), jnp.bfloat16), sds((layers * e, k, n), jnp.bfloat16))
@@ -230,7 +216,7 @@ def test_tile_kernel_lowers_for_cuda_at_preset_geometries(geom):
 @pytest.mark.parametrize("geom", GEOMS, ids=IDS)
 def test_tile_kernel_matches_oracle_on_gpu(geom):
     """The compiled tile kernel at each MoE preset's decode products, one layer of a stack."""
-    rng = np.random.default_rng([*geom, 1])
+    rng = np.random.default_rng([geom.hidden, geom.moe_ff, geom.experts, 1])
     for m, k, n, e in _moe_products(geom, COPIES["decode"]):
         lhs, rhs, sizes, want = _offset_case(rng, m, k, n, e, 3, e)
         got = jax.jit(

@@ -876,9 +876,10 @@ def test_decode_lowers_for_gpu():
         assert "mosaic_gpu" in _lower_decode(8, 2, d, dtype, ps, **tuning), (d, dtype, tuning)
 
 
-def _distinct_decode_geometries():
+def _distinct_kernel_geometries():
     """One preset geometry per (head_dim, group, window or not): what the decode kernel's code
-    depends on (`gemma.configs.attention_geometries`)."""
+    and the prefill kernel's query tiles and key loop depend on
+    (`gemma.configs.attention_geometries`)."""
     from gemma import configs
 
     seen = {}
@@ -887,7 +888,7 @@ def _distinct_decode_geometries():
     return list(seen.values())
 
 
-DECODE_GEOMETRIES = _distinct_decode_geometries()
+DECODE_GEOMETRIES = _distinct_kernel_geometries()
 
 
 @pytest.mark.parametrize(
@@ -950,18 +951,7 @@ def test_prefill_kernel_gpu_long(d, hq, hkv, ps, dtype, window):
     _check(got, want, jnp.bfloat16)
 
 
-def _distinct_prefill_tilings():
-    """One preset geometry per (head_dim, group, window or not): what the prefill kernel's
-    query tiles and key loop depend on (`gemma.configs.attention_geometries`)."""
-    from gemma import configs
-
-    seen = {}
-    for g in configs.attention_geometries():
-        seen.setdefault((g.head_dim, g.group, g.window is None), g)
-    return list(seen.values())
-
-
-PREFILL_TILINGS = _distinct_prefill_tilings()
+PREFILL_TILINGS = _distinct_kernel_geometries()
 
 
 @pytest.mark.parametrize(
