@@ -5,8 +5,10 @@
     PYTHONPATH=. .venv/bin/python experiments/bench_moe.py --quick   # CPU smoke, interpret mode
 
 Per MoE preset geometry (`gemma.configs.moe_geometries`) and tokens per step (decode batches,
-and one 8192-token prefill step): the three products of the last layer of the preset's largest
-scanned run (gate, up: [copies, hidden] x [hidden, moe_ff];
+a 2048-token step, at the bound up to which the layer scan reads experts in place,
+`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`, and one 8192-token prefill step): the three
+products of the last layer of the preset's largest scanned run (gate, up: [copies, hidden] x
+[hidden, moe_ff];
 down: [copies, moe_ff] x [moe_ff, hidden]; copies = rows x experts per token, each token routed
 to distinct uniformly drawn experts), in three forms:
   - `tile_in_place`: the tile kernel on the run's whole stack [layers * E, K, N] with the
@@ -114,7 +116,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("experiments/results/moe_decode_h200.json"))
     p.add_argument(
-        "--rows", default="8,32,8192", help="tokens per step (decode batches; 8192: a prefill step)"
+        "--rows",
+        default="8,32,2048,8192",
+        help="tokens per step (decode batches; 2048: the in-place bound; 8192: a prefill step)",
     )
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--tbs", type=float, default=COPY_TBS, help="bytes/s ceiling, 1e12")

@@ -241,6 +241,28 @@ class MLP(nnx.Module):
 
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "pallas", "dense")
 
+# Token copies (tokens x top_k) up to which a scanned or unrolled layer's grouped matmuls read
+# its experts where they lie in the run's stack (`grouped_matmul(..., group_offset=)`, the
+# tile kernel on Hopper); above it they take a copy of the layer's experts (the stack sliced)
+# and JAX's persistent `ragged_dot_mgpu`. Byte and FLOP counts at the 26B-A4B geometry (one
+# layer's experts 1.52 GB; NOTES v18): the copy costs a read and a write of every expert,
+# about 0.73 ms a layer at 4.18 TB/s, whatever the rows; the tile kernel's 64-row tiles only
+# cost more where the products' FLOPs dominate. At 16384 copies (2048 tokens) the products are
+# 195 GFLOP a layer, 0.5-0.65 ms at 300-400 TFLOP/s, under the copy alone; at an 8192-token
+# prefill step (65536 copies) the two are predicted even. `experiments/bench_moe.py` measures
+# both forms at 8192 tokens: the bound moves with its figures.
+EXPERTS_IN_PLACE_MAX_ROWS = 16384
+
+
+def experts_in_place(w, rows: int, dtype) -> bool:
+    """Whether an MoE grouped matmul of `rows` token copies reads expert stack `w` (a
+    `StackedRow`) in place rather than a copy of its row (see EXPERTS_IN_PLACE_MAX_ROWS)."""
+    return (
+        isinstance(w, StackedRow)
+        and jnp.dtype(w.dtype) == jnp.dtype(dtype)
+        and rows <= EXPERTS_IN_PLACE_MAX_ROWS
+    )
+
 
 def check_moe_implementation(implementation: str) -> None:
     if implementation not in MOE_IMPLEMENTATIONS:
@@ -342,7 +364,7 @@ class MoE(nnx.Module):
 
         def gmm(lhs, param):
             w = param.get_value()
-            if isinstance(w, StackedRow) and w.dtype == self.dtype:
+            if experts_in_place(w, lhs.shape[0], self.dtype):
                 # The run's whole stack [R * E, K, N]; this layer's E groups read in place.
                 stack = w.stack.reshape(-1, *w.shape[1:])
                 return grouped_matmul(

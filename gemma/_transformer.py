@@ -186,8 +186,11 @@ class Transformer(nnx.Module):
           weights_in_place: how scanned runs read each layer's matrices. False: `lax.scan`
             slicing them per repetition, which XLA does by copying each matrix before its
             GEMM (a fixed cost per step, about twice the weights' bytes; see
-            `experiments/probe_layer_scan.py`). True / 'unrolled': the run unrolled with
-            static slices, which XLA fuses into the GEMMs (no copies; traced and compiled
+            `experiments/probe_layer_scan.py`); the MoE experts excepted, which every form
+            keeps in their stack for the grouped matmul to read in place at up to
+            `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS` token copies. True / 'unrolled': the
+            run unrolled with static slices, which XLA fuses into the GEMMs (no copies; traced
+            and compiled
             per layer; the MoE experts read in their stack, see `_unrolled_run`): for
             steps whose time is the weights' bytes (decode). 'grouped' (or its
             implementations 'pallas' / 'reference'): the scan kept, each matrix multiplied in
@@ -366,7 +369,9 @@ def _scan_run(
 ):
     """The run's repetitions under one `lax.scan`: parameters sliced per repetition (in_place:
     the matrices left in the stack as `StackedRow`s, the vectors sliced), the activations and
-    the attention state carried (pool roots update in place)."""
+    the attention state carried (pool roots update in place). The MoE experts' stacks are never
+    scan inputs: they stay whole as `StackedRow`s, and the MoE reads the layer's experts in the
+    stack or takes a copy of them by the step's rows (`gemma._layers.experts_in_place`)."""
     graphdef, stacked = nnx.split(blocks)
     if ple is not None:  # [..., T, run layers, P] -> [count, ..., T, period, P]
         ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
@@ -384,20 +389,23 @@ def _scan_run(
             run, graphdef, stacked, x, positions, ple, attention_fn, attention_state
         )
     if in_place:
-        matrices = jax.tree.map(lambda a: a.ndim >= 3, stacked)
-        sliced = jax.tree.map(lambda a, m: None if m else a, stacked, matrices)
+        whole = jax.tree.map(lambda a: a.ndim >= 3, stacked)
+    else:
+        whole = jax.tree_util.tree_map_with_path(lambda p, a: _is_expert_stack(p), stacked)
+    sliced = jax.tree.map(lambda a, w: None if w else a, stacked, whole)
+    row = functools.partial(StackedRow, implementation=in_place or "auto")
 
     def body(carry, xs):
         x, state = carry
         params, c, ple_c = xs
-        if in_place:  # the matrices' rows stay where they are; the vectors come sliced
-            params = jax.tree.map(
-                lambda a, m, v: StackedRow(a, c, in_place) if m else v,
-                stacked,
-                matrices,
-                params,
-                is_leaf=lambda v: v is None,
-            )
+        # The whole stacks' rows stay where they are; the other parameters come sliced.
+        params = jax.tree.map(
+            lambda a, w, v: row(a, c) if w else v,
+            stacked,
+            whole,
+            params,
+            is_leaf=lambda v: v is None,
+        )
         for r, block in enumerate(nnx.merge(graphdef, params)):
             like = run.first + r
             layer = LayerRef(like, like + c * run.period)
@@ -406,7 +414,7 @@ def _scan_run(
         return (x, state), None
 
     reps = jnp.arange(run.count, dtype=jnp.int32)
-    xs = (sliced if in_place else stacked, reps, ple)
+    xs = (sliced, reps, ple)
     (x, attention_state), _ = jax.lax.scan(body, (x, attention_state), xs)
     return x, attention_state
 

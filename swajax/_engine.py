@@ -240,9 +240,10 @@ class Engine:
         own step kind).
       decode_weights_in_place: how decode steps read each scanned layer's matrices (see
         `gemma.Transformer.forward(weights_in_place=...)`): False slices them under the layer
-        scan (XLA copies each one per step); True unrolls the layers with static slices,
-        which the GEMMs read where they lie (decode steps compile per layer; MoE experts
-        stay whole for the grouped matmul); 'grouped' keeps the scan and multiplies in the
+        scan (XLA copies each dense matrix per step; the MoE experts are read in their stack
+        at decode-sized steps either way, `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`); True
+        unrolls the layers with static slices, which the GEMMs read where they lie (decode
+        steps compile per layer); 'grouped' keeps the scan and multiplies in the
         stack through the grouped matmul (needs mesh=None, ValueError otherwise; for study:
         far slower than the copies at decode, experiments/NOTES.md v16). Prefill steps
         always scan.

@@ -215,13 +215,18 @@ def test_tile_kernel_lowers_for_cuda_at_preset_geometries(geom):
 @pytest.mark.gpu
 @pytest.mark.parametrize("geom", GEOMS, ids=IDS)
 def test_tile_kernel_matches_oracle_on_gpu(geom):
-    """The compiled tile kernel at each MoE preset's decode products, one layer of a stack."""
+    """The compiled tile kernel at each MoE preset's decode products, one layer of a stack,
+    its offset static (unrolled decode) and traced (the layer scan's counter)."""
     rng = np.random.default_rng([geom.hidden, geom.moe_ff, geom.experts, 1])
     for m, k, n, e in _moe_products(geom, COPIES["decode"]):
         lhs, rhs, sizes, want = _offset_case(rng, m, k, n, e, 3, e)
-        got = jax.jit(
+        static = jax.jit(
             lambda a, b, c, o=e: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
         )(lhs, rhs, sizes)
-        got = np.asarray(got, np.float32)
-        assert np.isfinite(got).all(), (m, k, n, e)
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        traced = jax.jit(
+            lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
+        )(lhs, rhs, sizes, jnp.int32(e))
+        for got in (static, traced):
+            got = np.asarray(got, np.float32)
+            assert np.isfinite(got).all(), (m, k, n, e)
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

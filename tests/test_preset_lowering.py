@@ -145,6 +145,10 @@ def test_engine_steps_lower_for_cuda(name):
             lowered = engine.lower_step(num_tokens, decode=decode, lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert "mosaic_gpu" in text, (name, decode)
+        if config.num_experts and any(r.scanned for r in config.layer_runs):
+            # the scanned layers' experts read in their stack by the tile kernel (its source
+            # file in the kernels' locations; JAX's ragged_dot_mgpu has its own)
+            assert "grouped_matmul.py" in text, (name, decode)
     # The decode step reading every scanned layer's matrices in place. Grouped: the grouped
     # matmul's Mosaic kernel joins the attention kernels, and fewer dynamic slices remain. One
     # dense Gemma 3, one Gemma 4 with PLE and KV sharing, the MoE (every full-size product's

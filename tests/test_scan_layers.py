@@ -273,12 +273,17 @@ def _slices_of(jaxpr, shapes) -> list[tuple]:
     return found
 
 
-def test_unrolled_reads_each_layer_s_experts_in_the_stack(monkeypatch):
-    """Unrolled, the dense matrices come as static slices (fused into their GEMMs), but the
-    experts' grouped matmul is a custom call that would get a copy of a sliced stack: the
-    stacks are passed whole, and each grouped matmul gets one layer's E group sizes and that
-    layer's offset in the stack (not count x E sizes: the Hopper kernel's work and code grow
-    with the groups it is given)."""
+@pytest.mark.parametrize("copied", [False, True], ids=["in-place", "copied"])
+@pytest.mark.parametrize("weights_in_place", [True, False], ids=["unrolled", "scan"])
+def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
+    """The experts' grouped matmul is a custom call: a slice of a stack given to it is a copy
+    of every expert. So, scanned or unrolled, the expert stacks are never scan inputs and stay
+    whole: each grouped matmul gets one layer's E group sizes and that layer's offset in the
+    stack (static unrolled, the scan's counter in the scan; not count x E sizes: the Hopper
+    kernel's work and code grow with the groups it is given). Above
+    `EXPERTS_IN_PLACE_MAX_ROWS` token copies the layer's experts are sliced out instead (one
+    [E, K, N] operand, no offset). The dense matrices: static slices unrolled (fused into their
+    GEMMs), scan inputs in the scan."""
     import gemma._layers
 
     scanned, _ = model_pair("gemma4_moe")
@@ -299,12 +304,18 @@ def test_unrolled_reads_each_layer_s_experts_in_the_stack(monkeypatch):
     experts = {s for s in shapes(expert_pattern) - others if len(s) == 4}
     dense = {s for s in shapes(r"\['mlp'\]\['(gate|up|down)_proj'\]") if s[0] > 1}
     assert experts and dense and not experts & dense
+    # 8 tokens x top 2 = 16 token copies per grouped matmul
+    monkeypatch.setattr(gemma._layers, "EXPERTS_IN_PLACE_MAX_ROWS", 15 if copied else 16)
+    scan_inputs = [s for _, s in _sliced_operands(scanned, tokens, weights_in_place)]
 
     calls = []
     grouped_matmul = gemma._layers.grouped_matmul
 
     def recording(lhs, rhs, group_sizes, **kw):
-        calls.append((rhs.shape[0], group_sizes.shape[0], kw.get("group_offset")))
+        offset = kw.get("group_offset")
+        if isinstance(offset, jax.core.Tracer):
+            offset = "traced"
+        calls.append((rhs.shape[0], group_sizes.shape[0], offset))
         return grouped_matmul(lhs, rhs, group_sizes, **kw)
 
     monkeypatch.setattr(gemma._layers, "grouped_matmul", recording)
@@ -316,23 +327,71 @@ def test_unrolled_reads_each_layer_s_experts_in_the_stack(monkeypatch):
             positions,
             attention_fn=gemma.dense_attention_fn(config.layer_specs),
             attention_state=gemma.DenseAttentionState(positions=positions, segment_ids=None),
-            weights_in_place=True,
+            weights_in_place=weights_in_place,
         )
         return logits
 
     jaxpr = jax.make_jaxpr(forward)(params).jaxpr
-    assert _slices_of(jaxpr, dense)  # the dense MLP's stacks: static slices
-    assert _slices_of(jaxpr, experts) == []
     e = config.num_experts
+    assert any(run.count > 1 for run in scanned.layer_runs)  # offsets past the first layer
+    if weights_in_place:  # unrolled: every repetition traced, static offsets
+        reps = [(run, [c * e for c in range(run.count)]) for run in scanned.layer_runs]
+        assert _slices_of(jaxpr, dense)  # the dense MLP's stacks: static slices
+    else:  # one scan body per run, at the scan's counter
+        reps = [(run, ["traced"] if run.count > 1 else [None]) for run in scanned.layer_runs]
+        assert scan_inputs  # the dense matrices
+        assert not [s for s in scan_inputs if s in experts or s[1:] in experts]
     want = [
-        (run.count * e, e, c * e) if run.count > 1 else (e, e, None)  # a run of one: unstacked
-        for run in scanned.layer_runs
-        for c in range(run.count)
+        (e, e, None) if run.count == 1 or copied else (run.count * e, e, offset)
+        for run, offsets in reps
+        for offset in offsets
         for _ in range(run.period)
         for _ in range(3)
     ]
-    assert any(run.count > 1 for run in scanned.layer_runs)  # offsets past the first layer
     assert calls == want, (calls, [(r.count, r.period) for r in scanned.layer_runs])
+    assert bool(_slices_of(jaxpr, experts)) == copied
+
+
+def _moe_kernel_model(scan: bool):
+    """A small MoE model in bf16 whose expert products the Pallas kernel takes (K and N
+    multiples of 64), every layer in one scanned run of three repetitions (the kernel without
+    an offset, JAX's, has no interpret mode), Pallas experts when scanned."""
+    config = tiny_gemma4(
+        num_layers=15,
+        num_kv_shared_layers=0,
+        per_layer_input_dim=0,
+        num_experts=6,
+        num_experts_per_token=2,
+        moe_intermediate_size=64,
+    )
+    model = gemma.Transformer(
+        config,
+        rngs=nnx.Rngs(5),
+        scan_layers=scan,
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        moe_implementation="pallas" if scan else "ragged",
+    )
+    gemma.set_unit_size_attention_logits(model)
+    return model
+
+
+def test_scanned_experts_in_place_run_the_tile_kernel_in_interpret_mode():
+    """The scan's experts read in place by the tile kernel (GPU interpret mode, race detection
+    on) with the scan's counter as the traced offset, against the per-layer unrolled model
+    (ragged_dot on its own experts): the same greedy tokens, logits within bf16 rounding."""
+    from pallas_kernels import _checks
+
+    scanned, unrolled = _moe_kernel_model(True), _moe_kernel_model(False)
+    assert [(r.count, r.scanned) for r in scanned.layer_runs] == [(3, True)]
+    tokens = jnp.asarray(np.random.default_rng(3).integers(1, 128, (1, 12)), jnp.int32)
+    with _checks.force_interpret():
+        got = _dense_logits(scanned, tokens, False)
+    want = np.asarray(unrolled(tokens))
+    assert np.isfinite(got).all()
+    # logits of magnitude ~0.6; a wrong offset (layer 0's experts throughout) is off by ~0.5
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
 def test_decode_weights_in_place_is_checked():
