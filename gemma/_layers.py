@@ -250,7 +250,7 @@ MOE_IMPLEMENTATIONS = ("auto", "ragged", "pallas", "dense")
 # cost more where the products' FLOPs dominate. At 16384 copies (2048 tokens) the products are
 # 195 GFLOP a layer, 0.5-0.65 ms at 300-400 TFLOP/s, under the copy alone; at an 8192-token
 # prefill step (65536 copies) the two are predicted even. `experiments/bench_moe.py` measures
-# both forms at 8192 tokens: the bound moves with its figures.
+# both forms at 2048 and 8192 tokens: the bound moves with its figures.
 EXPERTS_IN_PLACE_MAX_ROWS = 16384
 
 

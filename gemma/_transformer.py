@@ -190,9 +190,8 @@ class Transformer(nnx.Module):
             keeps in their stack for the grouped matmul to read in place at up to
             `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS` token copies. True / 'unrolled': the
             run unrolled with static slices, which XLA fuses into the GEMMs (no copies; traced
-            and compiled
-            per layer; the MoE experts read in their stack, see `_unrolled_run`): for
-            steps whose time is the weights' bytes (decode). 'grouped' (or its
+            and compiled per layer; see `_unrolled_run`): for steps whose time is the
+            weights' bytes (decode). 'grouped' (or its
             implementations 'pallas' / 'reference'): the scan kept, each matrix multiplied in
             the stack by the grouped matmul (`gemma._layers.StackedRow`; for study, far slower
             at decode: the kernel's row tiles grow with the stack's groups). The same numbers
