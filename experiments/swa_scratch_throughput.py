@@ -159,6 +159,11 @@ class Params:
     # penalises OFF (more, smaller decode steps) more than ON, so without it the baseline
     # is not the engine's best configuration.
     decode_weights_in_place: bool = True
+    # `gemma.set_experts_in_place_max_rows`: up to how many token copies the MoE layers read
+    # their experts in the stack (the tile kernel); None: the model's default
+    # (`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`); 0: every layer's experts copied out first
+    # (JAX's `ragged_dot_mgpu` alone, the form before the tile kernel).
+    experts_in_place_max_rows: int | None = None
     # After a cell's timed run, this many of its requests run once more under the profiler
     # (`bench_generate.profile_run`: the device's busy time against the wall time, top
     # kernels); 0: none. Not part of the workload.
@@ -181,6 +186,7 @@ class Params:
         # (recorded only when set, so that records of runs before the option stay comparable)
         keys += ("batch_invariant",) if self.batch_invariant else ()
         keys += ("decode_weights_in_place",) if self.decode_weights_in_place else ()
+        keys += ("experts_in_place_max_rows",) if self.experts_in_place_max_rows is not None else ()
         workload = {k: getattr(self, k) for k in keys}
         if self.batch_invariant:  # where the engine may cut a prompt's chunk (0: whole chunks)
             from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
@@ -1021,6 +1027,14 @@ def parse(argv=None):
         "--no-decode-weights-in-place: the layer scan's decode steps",
     )
     p.add_argument(
+        "--experts-in-place-max-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="MoE layers read their experts in the stack up to N token copies per step "
+        "(default: the model's, gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS); 0: copied out first",
+    )
+    p.add_argument(
         "--profile",
         type=int,
         default=None,
@@ -1069,6 +1083,7 @@ def parse(argv=None):
             "verify",
             "batch_invariant",
             "decode_weights_in_place",
+            "experts_in_place_max_rows",
             "profile",
             "precompile_workers",
             "control",
@@ -1088,6 +1103,8 @@ def parse(argv=None):
     for name in presets:
         if name not in PRESETS:
             p.error(f"--presets: {name!r} is not one of {PRESETS}")
+    if params.experts_in_place_max_rows is not None and params.experts_in_place_max_rows < 0:
+        p.error(f"--experts-in-place-max-rows must be >= 0, got {params.experts_in_place_max_rows}")
     return args, params, presets, setups
 
 
@@ -1201,6 +1218,8 @@ def main(argv=None) -> dict:
         dtype = jnp.dtype(params.weight_dtype)
         model = gemma.Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
         gemma.set_unit_size_attention_logits(model)  # O(1) attention logits, as trained
+        if params.experts_in_place_max_rows is not None:
+            gemma.set_experts_in_place_max_rows(model, params.experts_in_place_max_rows)
         init_s = time.perf_counter() - t0
         precompiled = None
         if params.precompile_workers > 0 and enable_default_cache():  # as the engine would

@@ -17,7 +17,11 @@ from gemma._dense_attention import DenseAttentionState, dense_attention, dense_a
 from gemma._hf_config import config_from_hf
 from gemma._sharding import init_sharded, param_shardings, partition_specs, shard_model
 from gemma._tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
-from gemma._transformer import Transformer, set_unit_size_attention_logits
+from gemma._transformer import (
+    Transformer,
+    set_experts_in_place_max_rows,
+    set_unit_size_attention_logits,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -41,6 +45,7 @@ __all__ = [
     "save_params",
     "save_pretrained",
     "saved_config",
+    "set_experts_in_place_max_rows",
     "set_unit_size_attention_logits",
     "shard_model",
 ]

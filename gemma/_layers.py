@@ -250,18 +250,17 @@ MOE_IMPLEMENTATIONS = ("auto", "ragged", "pallas", "dense")
 # cost more where the products' FLOPs dominate. At 16384 copies (2048 tokens) the products are
 # 195 GFLOP a layer, 0.5-0.65 ms at 300-400 TFLOP/s, under the copy alone; at an 8192-token
 # prefill step (65536 copies) the two are predicted even. `experiments/bench_moe.py` measures
-# both forms at 2048 and 8192 tokens: the bound moves with its figures.
+# both forms at 2048 and 8192 tokens: the bound moves with its figures. Each MoE module keeps
+# its own (`MoE.in_place_max_rows`, part of the model's structure and so of every compiled
+# step's key; `gemma.set_experts_in_place_max_rows`).
 EXPERTS_IN_PLACE_MAX_ROWS = 16384
 
 
-def experts_in_place(w, rows: int, dtype) -> bool:
+def experts_in_place(w, rows: int, dtype, max_rows: int) -> bool:
     """Whether an MoE grouped matmul of `rows` token copies reads expert stack `w` (a
-    `StackedRow`) in place rather than a copy of its row (see EXPERTS_IN_PLACE_MAX_ROWS)."""
-    return (
-        isinstance(w, StackedRow)
-        and jnp.dtype(w.dtype) == jnp.dtype(dtype)
-        and rows <= EXPERTS_IN_PLACE_MAX_ROWS
-    )
+    `StackedRow`) in place rather than a copy of its row: up to `max_rows` copies (see
+    EXPERTS_IN_PLACE_MAX_ROWS)."""
+    return isinstance(w, StackedRow) and jnp.dtype(w.dtype) == jnp.dtype(dtype) and rows <= max_rows
 
 
 def check_moe_implementation(implementation: str) -> None:
@@ -296,6 +295,7 @@ class MoE(nnx.Module):
         c = config
         d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
         self.implementation = implementation
+        self.in_place_max_rows = EXPERTS_IN_PLACE_MAX_ROWS
         self.dtype = dtype
         self.eps = c.rms_norm_eps
         self.top_k = c.num_experts_per_token
@@ -364,7 +364,7 @@ class MoE(nnx.Module):
 
         def gmm(lhs, param):
             w = param.get_value()
-            if experts_in_place(w, lhs.shape[0], self.dtype):
+            if experts_in_place(w, lhs.shape[0], self.dtype, self.in_place_max_rows):
                 # The run's whole stack [R * E, K, N]; this layer's E groups read in place.
                 stack = w.stack.reshape(-1, *w.shape[1:])
                 return grouped_matmul(

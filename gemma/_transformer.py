@@ -336,6 +336,19 @@ def set_unit_size_attention_logits(model: Transformer) -> None:
             norm.scale[...] = jnp.full_like(norm.scale[...], value)
 
 
+def set_experts_in_place_max_rows(model: Transformer, rows: int) -> None:
+    """Sets up to how many token copies (tokens x experts per token) every MoE layer reads its
+    experts in their stack (`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`, the default); 0: never,
+    each layer's experts copied out of the stack first as before the tile kernel. In place.
+    ValueError for a negative or non-integer `rows`."""
+    if isinstance(rows, bool) or not isinstance(rows, int | np.integer) or rows < 0:
+        raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
+    for blocks in model.blocks:
+        for block in blocks:
+            if block.moe is not None:
+                block.moe.in_place_max_rows = int(rows)
+
+
 def _build_run(run: LayerRun, make_block) -> nnx.List:
     """The Blocks of one run, built layer by layer in index order (the same random values as
     unrolled construction). A scanned run's Blocks have every array stacked over the run's

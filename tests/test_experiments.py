@@ -274,6 +274,19 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     assert {(r["setup"], r["scratch"]) for r in again["records"]} == {*recs, ("control", True)}
 
 
+def test_swa_scratch_experts_in_place_bound_is_part_of_the_workload():
+    """`--experts-in-place-max-rows` (0: the MoE experts copied out of their stack, JAX's
+    kernel alone) is checked and recorded in the workload only when set, so that cells of
+    either form are never compared with each other."""
+    _, params, _, _ = swa_scratch.parse(["--quick"])
+    assert params.experts_in_place_max_rows is None
+    assert "experts_in_place_max_rows" not in params.workload
+    _, params, _, _ = swa_scratch.parse(["--quick", "--experts-in-place-max-rows", "0"])
+    assert params.workload["experts_in_place_max_rows"] == 0
+    with pytest.raises(SystemExit):
+        swa_scratch.parse(["--quick", "--experts-in-place-max-rows", "-1"])
+
+
 def test_swa_scratch_records_merge_and_token_check():
     def rec(setup, scratch, digests, **kw):
         return dict(

@@ -290,7 +290,14 @@ def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
     config = scanned.config
     tokens = jnp.ones((1, 8), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
-    graphdef, params = nnx.split(scanned)
+    # 8 tokens x top 2 = 16 token copies per grouped matmul
+    gemma.set_experts_in_place_max_rows(scanned, 15 if copied else 16)
+    try:
+        graphdef, params = nnx.split(scanned)
+        sliced = _sliced_operands(scanned, tokens, weights_in_place)
+        scan_inputs = [s for kind, s in sliced if kind == "xs"]  # one layer's shapes
+    finally:  # the model is shared with other tests
+        gemma.set_experts_in_place_max_rows(scanned, gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS)
     leaves = jax.tree_util.tree_leaves_with_path(params)
 
     def shapes(pattern):
@@ -304,9 +311,6 @@ def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
     experts = {s for s in shapes(expert_pattern) - others if len(s) == 4}
     dense = {s for s in shapes(r"\['mlp'\]\['(gate|up|down)_proj'\]") if s[0] > 1}
     assert experts and dense and not experts & dense
-    # 8 tokens x top 2 = 16 token copies per grouped matmul
-    monkeypatch.setattr(gemma._layers, "EXPERTS_IN_PLACE_MAX_ROWS", 15 if copied else 16)
-    scan_inputs = [s for _, s in _sliced_operands(scanned, tokens, weights_in_place)]
 
     calls = []
     grouped_matmul = gemma._layers.grouped_matmul
@@ -340,7 +344,7 @@ def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
     else:  # one scan body per run, at the scan's counter
         reps = [(run, ["traced"] if run.count > 1 else [None]) for run in scanned.layer_runs]
         assert scan_inputs  # the dense matrices
-        assert not [s for s in scan_inputs if s in experts or s[1:] in experts]
+        assert not [s for s in scan_inputs if s in {e[1:] for e in experts}]
     want = [
         (e, e, None) if run.count == 1 or copied else (run.count * e, e, offset)
         for run, offsets in reps
@@ -350,6 +354,22 @@ def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
     ]
     assert calls == want, (calls, [(r.count, r.period) for r in scanned.layer_runs])
     assert bool(_slices_of(jaxpr, experts)) == copied
+
+
+def test_experts_in_place_bound_is_checked_and_keys_the_step():
+    """`gemma.set_experts_in_place_max_rows` takes an integer >= 0 (ValueError naming the value
+    otherwise) and is part of the model's structure, so a step compiled for one bound is never
+    served for another (the step cache keys on the GraphDef)."""
+    config = CONFIGS["gemma4_moe"]()
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0))
+    before = repr(nnx.split(model)[0])
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="rows must be an integer >= 0"):
+            gemma.set_experts_in_place_max_rows(model, bad)
+    gemma.set_experts_in_place_max_rows(model, 0)
+    assert repr(nnx.split(model)[0]) != before
+    moes = [b.moe for blocks in model.blocks for b in blocks if b.moe is not None]
+    assert moes and all(m.in_place_max_rows == 0 for m in moes)
 
 
 def _moe_kernel_model(scan: bool):
