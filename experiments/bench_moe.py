@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
                     rec["error"] = traceback.format_exc()[-1500:]
                 records.append(rec)
                 print(
-                    f"{'+'.join(presets):<16} rows {rows:>3} {form:<22} "
+                    f"{'+'.join(presets):<16} rows {rows:>4} {form:<22} "
                     + (
                         "ERROR " + rec["error"].strip().splitlines()[-1][:160]
                         if "error" in rec

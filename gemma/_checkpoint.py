@@ -475,7 +475,14 @@ def from_pretrained(
         if isinstance(v, jax.ShapeDtypeStruct)
     ]
     assert not leftover, f"parameters not loaded: {leftover}"
-    return model
+    return _for_mesh(model, mesh)
+
+
+def _for_mesh(model: Transformer, mesh) -> Transformer:
+    """The loaded model as it runs on `mesh` (`gemma._sharding.for_mesh`)."""
+    from gemma._sharding import for_mesh  # imports this module
+
+    return for_mesh(model, mesh)
 
 
 def _placement(model: Transformer, mesh):
@@ -755,7 +762,7 @@ def restore_params(
             state = checkpointer.restore(path, args)[_PARAMS_ITEM]
     except Exception as e:  # Orbax re-raises tensorstore read errors as a bare Exception
         raise ValueError(f"cannot read the Orbax checkpoint data in {params_dir!r}: {e}") from e
-    return nnx.merge(graphdef, state)
+    return _for_mesh(nnx.merge(graphdef, state), mesh)
 
 
 def _saved_scan_layers(path: str, config: TransformerConfig) -> bool:

@@ -58,9 +58,11 @@ class StackedRow:
     Under `lax.scan`, slicing a layer's matrices out of the stacked parameters makes XLA copy
     each of them before its GEMMs (a device-to-device copy per matrix per layer: a decode step
     moves about three times the weights' bytes; `experiments/probe_layer_scan.py`). A Block
-    run with `weights_in_place` holds its large matrices as StackedRows, and `linear` and the
-    experts multiply by them through `stacked_matmul`, which reads the row where it lies.
-    Indexing (`param[...]`) gives the sliced row, so every other use is unchanged.
+    run with `weights_in_place` holds its large matrices as StackedRows, and `linear`
+    multiplies by them through `stacked_matmul`, which reads the row where it lies. Every
+    scanned or unrolled run holds its MoE expert stacks as StackedRows, which the MoE's
+    grouped matmul reads in place up to its bound (`MoE.in_place_max_rows`). Indexing
+    (`param[...]`) gives the sliced row, so every other use is unchanged.
     """
 
     def __init__(self, stack: jax.Array, index: jax.Array, implementation: str = "auto"):

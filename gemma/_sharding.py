@@ -123,10 +123,19 @@ def param_shardings(model, mesh) -> nnx.State:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
+def for_mesh(model, mesh):
+    """The model as it runs on `mesh` (or None: the model itself): its tensor-parallel view,
+    `Transformer.for_tensor_parallel`, which every sharded model given out here is."""
+    if mesh is None:
+        return model
+    return model.for_tensor_parallel(serving_mesh(mesh).shape[MODEL])
+
+
 def shard_model(model, mesh):
-    """The model with every parameter moved to its sharding on `mesh` (a new model)."""
+    """The model with every parameter moved to its sharding on `mesh` (a new model, its
+    tensor-parallel view)."""
     graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.device_put(state, param_shardings(model, mesh)))
+    return for_mesh(nnx.merge(graphdef, jax.device_put(state, param_shardings(model, mesh))), mesh)
 
 
 def init_sharded(
@@ -166,7 +175,7 @@ def init_sharded(
         )
         return nnx.split(model)[1]
 
-    return nnx.merge(graphdef, make())
+    return for_mesh(nnx.merge(graphdef, make()), mesh)
 
 
 def device_bytes(model, tp: int) -> int:

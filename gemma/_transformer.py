@@ -188,7 +188,8 @@ class Transformer(nnx.Module):
             GEMM (a fixed cost per step, about twice the weights' bytes; see
             `experiments/probe_layer_scan.py`); the MoE experts excepted, which every form
             keeps in their stack for the grouped matmul to read in place at up to
-            `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS` token copies. True / 'unrolled': the
+            `MoE.in_place_max_rows` token copies (`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`;
+            0 in `for_tensor_parallel`), copying one layer's above it. True / 'unrolled': the
             run unrolled with static slices, which XLA fuses into the GEMMs (no copies; traced
             and compiled per layer; see `_unrolled_run`): for steps whose time is the
             weights' bytes (decode). 'grouped' (or its
@@ -310,6 +311,18 @@ class Transformer(nnx.Module):
         from gemma._sharding import partition_specs  # imports this module
 
         return partition_specs(self, tp)
+
+    def for_tensor_parallel(self, tp: int) -> Transformer:
+        """The model as a mesh of tp tensor-parallel devices serves it, sharing this one's arrays
+        (nothing copied). With tp > 1 and MoE layers, each layer's experts are taken out of the
+        run's stack (`set_experts_in_place_max_rows(view, 0)`): the grouped matmul's kernel
+        takes whole operands, so a stack sharded over the experts given to it whole would be
+        gathered whole onto every device, where one layer's slice is gathered at a time."""
+        if tp <= 1 or not self.config.num_experts:
+            return self
+        view = nnx.merge(*nnx.split(self))
+        set_experts_in_place_max_rows(view, 0)
+        return view
 
     @property
     def num_params(self) -> int:
@@ -438,7 +451,8 @@ def _unrolled_run(run: LayerRun, graphdef, stacked, x, positions, ple, attention
     tracing and compiling every layer. The MoE experts' stacks are the exception: their
     grouped matmul is a custom call, which XLA cannot fuse a slice into (a slice there would be
     a copy of every expert), so they stay whole as `StackedRow`s and the grouped matmul reads
-    this layer's experts in the stack (`group_offset`)."""
+    this layer's experts in the stack (`group_offset`), up to the MoE's bound
+    (`MoE.in_place_max_rows`; 0 in the tensor-parallel view)."""
 
     def row(path, a, c):
         if _is_expert_stack(path):

@@ -219,7 +219,8 @@ class Engine:
       mesh: a `jax.sharding.Mesh` with an axis "model" (tensor parallelism over tp devices)
         and optionally "data" (dp replicas, each serving max_batch rows from its own pool);
         None: one device. The model must provide `partition_specs(tp)` (as
-        `gemma.Transformer` does); its parameters are moved to their shardings. The byte
+        `gemma.Transformer` does); its parameters are moved to their shardings, and with
+        tp > 1 the model's `for_tensor_parallel(tp)`, where it has one, is what runs. The byte
         quota of `kv_cache_config` is then per device, and each replica's pool is sized from
         the per-device bytes of a slot (`KVLayout.tp`). ValueError for a mesh without "model"
         or a tp that cannot split the query or KV heads evenly.
@@ -241,7 +242,8 @@ class Engine:
       decode_weights_in_place: how decode steps read each scanned layer's matrices (see
         `gemma.Transformer.forward(weights_in_place=...)`): False slices them under the layer
         scan (XLA copies each dense matrix per step; the MoE experts are read in their stack
-        at decode-sized steps either way, `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`); True
+        at decode-sized steps either way, `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`, except on
+        a mesh of tp > 1, see `mesh`); True
         unrolls the layers with static slices, which the GEMMs read where they lie (decode
         steps compile per layer); 'grouped' keeps the scan and multiplies in the
         stack through the grouped matmul (needs mesh=None, ValueError otherwise; for study:
@@ -338,6 +340,9 @@ class Engine:
                     f"a mesh needs a model with partition_specs(tp), got {type(model).__name__}"
                 )
             param_specs = model.partition_specs(tp)  # ValueError for tp vs query heads
+            view = getattr(model, "for_tensor_parallel", None)
+            if tp > 1 and callable(view):  # how the model runs sharded (the same arrays)
+                model = view(tp)
         # The quota is read once: a re-split pool must not see the old pool as used memory.
         self.quota = kv_quota_bytes(cfg)
         layout = make_layout(

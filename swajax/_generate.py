@@ -32,7 +32,9 @@ class _EngineCache:
 
     One engine is kept (its KV pool holds most of the device's free memory): a call with other
     settings, a longer context or more rows than it has builds a new one, after dropping the
-    old. Changed parameters (the model was trained or edited since) are taken up again.
+    old, as does a change of the model's structure (its GraphDef: e.g.
+    `gemma.set_experts_in_place_max_rows`). Changed parameters (the model was trained or edited
+    since) are taken up again, on the engine's shardings.
     """
 
     def __init__(self):
@@ -41,26 +43,31 @@ class _EngineCache:
         self.key = None
         self.engine = None
         self.leaves = ()
+        self.graphdef = None
 
     def get(self, model, key, max_context, rows, build):
         with self.lock:
+            graphdef, state = nnx.split(model)
             fresh = self.model is not None and self.model() is model and self.key == key
+            fresh = fresh and graphdef == self.graphdef
             e = self.engine
             if fresh and e.layout.max_context >= max_context and e.serving_rows >= rows:
-                leaves = jax.tree.leaves(nnx.state(model))
+                leaves = jax.tree.leaves(state)
                 if any(a is not b for a, b in zip(leaves, self.leaves, strict=True)):
-                    e.params = nnx.split(model)[1]
+                    if e.mesh is not None:  # the engine's shardings, as at its construction
+                        state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, e.params))
+                    e.params = state
                     self.leaves = leaves
                 return e
             self.engine = None  # free the old pool before the new one is made
             self.engine = build()
-            self.model, self.key = weakref.ref(model), key
-            self.leaves = jax.tree.leaves(nnx.state(model))
+            self.model, self.key, self.graphdef = weakref.ref(model), key, graphdef
+            self.leaves = jax.tree.leaves(state)
             return self.engine
 
     def clear(self):
         with self.lock:
-            self.model = self.key = self.engine = None
+            self.model = self.key = self.engine = self.graphdef = None
             self.leaves = ()
 
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from flax import nnx
 from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
@@ -68,6 +69,26 @@ def test_generate_reuses_its_engine():
     assert swajax._generate.ENGINE_CACHE.engine is engine
     assert again == dense_greedy(model, prompts[:1], 2)
     swajax._generate.ENGINE_CACHE.clear()
+
+
+def test_generate_builds_anew_when_the_model_structure_changes():
+    """A static setting of the model (in its GraphDef, e.g. the MoE layers' in-place bound) is
+    part of the engine's steps: a changed one gets a new engine, not the old steps."""
+    from test_scan_layers import CONFIGS
+
+    import gemma
+
+    model = gemma.Transformer(CONFIGS["gemma4_moe"](), rngs=nnx.Rngs(3))
+    prompts = prompts_of([20, 7], seed=3)
+    kw = dict(kv_cache_config=kv_config(True), prefill_chunk_size=16)
+    first = swajax.generate(model, prompts, 3, **kw)
+    engine = swajax._generate.ENGINE_CACHE.engine
+    gemma.set_experts_in_place_max_rows(model, 0)
+    try:
+        assert swajax.generate(model, prompts, 3, **kw) == first == dense_greedy(model, prompts, 3)
+        assert swajax._generate.ENGINE_CACHE.engine is not engine
+    finally:
+        swajax._generate.ENGINE_CACHE.clear()
 
 
 SCRIPT = textwrap.dedent(

@@ -250,8 +250,9 @@ def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
 
 @pytest.mark.parametrize("case", ["gemma4_shared_ple", "gemma4_moe"])
 def test_weights_in_place_slices_no_matrix(case):
-    """The scan slices every stacked matrix per layer by default (dynamically: XLA copies
-    each); in place it slices none dynamically (unrolled: static slices, which XLA fuses
+    """The scan slices every stacked dense matrix per layer by default (dynamically: XLA
+    copies each; the experts: `test_experts_are_read_in_the_stack`); in place it slices none
+    dynamically (unrolled: static slices, which XLA fuses
     into the GEMMs; grouped: the vectors still come sliced)."""
     scanned, _ = model_pair(case)
     tokens = jnp.ones((1, 8), jnp.int32)
@@ -370,6 +371,22 @@ def test_experts_in_place_bound_is_checked_and_keys_the_step():
     assert repr(nnx.split(model)[0]) != before
     moes = [b.moe for blocks in model.blocks for b in blocks if b.moe is not None]
     assert moes and all(m.in_place_max_rows == 0 for m in moes)
+
+
+def test_tensor_parallel_view_copies_experts_out_and_shares_the_arrays():
+    """`Transformer.for_tensor_parallel(tp)`, what an engine on a mesh runs: with tp > 1 its
+    MoE layers copy each layer's experts out of the stack (a kernel given the whole sharded
+    stack would have it gathered whole), the same arrays, the model itself untouched; tp = 1
+    or no MoE: the model itself."""
+    moe, _ = model_pair("gemma4_moe")
+    dense, _ = model_pair("gemma3")
+    assert moe.for_tensor_parallel(1) is moe and dense.for_tensor_parallel(4) is dense
+    view = moe.for_tensor_parallel(2)
+    default = gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS
+    bounds = lambda m: {b.moe.in_place_max_rows for bs in m.blocks for b in bs}  # noqa: E731
+    assert bounds(view) == {0} and bounds(moe) == {default}
+    for a, b in zip(jax.tree.leaves(nnx.state(moe)), jax.tree.leaves(nnx.state(view)), strict=True):
+        assert a is b
 
 
 def _moe_kernel_model(scan: bool):
