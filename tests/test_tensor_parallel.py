@@ -376,8 +376,11 @@ def test_compiled_step_collectives(dp, tp):
     one replica's "model" devices, and it gathers no pool root and no parameter and copies no
     pool root (it updates them in place)."""
     engine = _MESH_ENGINES.get(("gemma4", True, dp, tp))
-    if engine is None:
-        pytest.skip("needs the engine of test_greedy_tokens_and_logits_equal_one_device")
+    if engine is None:  # run alone: the engine test_greedy_tokens_and_logits_equal_one_device runs
+        slots = one_device("gemma4", True)[0]
+        mesh = mesh_of(dp, tp)
+        engine = _engine(make_model("gemma4"), True, mesh=mesh, slots=slots, max_batch=3 // dp + 1)
+        _run(engine)
     # The step the run compiled (prefill bucket, logits on): JAX's caches hand it back.
     bucket = engine.step_buckets()[1][0]
     text = engine._lower(bucket, False, "greedy", logits=True).compile().as_text()
