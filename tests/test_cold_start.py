@@ -169,8 +169,7 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         assert all(p.is_deleted() for p in pools)  # donated
         assert sorted(tmp_path.glob("*.exported")) == stored
         # lowering for another platform bypasses the cache (it stores this backend's steps)
-        lowered = second.lower_step(16, decode=False, lowering_platforms=("cuda",))
-        assert "stablehlo" in lowered.as_text()
+        second.lower_step(16, decode=False, lowering_platforms=("cuda",)).as_text()
         assert sorted(tmp_path.glob("*.exported")) == stored
         with _checks.force_interpret():  # a forced Pallas mode: not cached either
             step = second._step_function(False, False, "greedy")

@@ -144,7 +144,11 @@ def test_engine_steps_lower_for_cuda(name):
         with _checks.force_compiled():
             lowered = engine.lower_step(num_tokens, decode=decode, lowering_platforms=("cuda",))
         text = lowered.as_text()
-        assert "mosaic_gpu" in text, (name, decode)
+        # Each kernel the step must hold, by its source file among the kernels' locations
+        # (the page-table gather alone would make any "mosaic_gpu" test pass).
+        attention = "_decode_kernel.py" if decode else "_prefill_kernel.py"
+        for kernel in ("_kv_write_kernel.py", attention, "page_table_gather.py"):
+            assert f"pallas_kernels/{kernel}" in text, (name, decode, kernel)
         if config.num_experts and any(r.scanned for r in config.layer_runs):
             # the scanned layers' experts read in their stack by the tile kernel (its source
             # file in the kernels' locations; JAX's ragged_dot_mgpu has its own)

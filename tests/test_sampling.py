@@ -68,19 +68,26 @@ def test_bad_parameters_raise(kwargs):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "params, mode",
-    [
-        (SamplingParams(0.0), "greedy"),
-        (SamplingParams(0.0, top_k=3), "greedy"),
-        (SamplingParams(0.8), "sample"),
-        (SamplingParams(0.8, top_p=1.0), "sample"),
-        (SamplingParams(0.8, top_k=3), "filter"),
-        (SamplingParams(1.0, top_p=0.6), "filter"),
-    ],
-)
+MODES = [
+    (SamplingParams(0.0), "greedy"),
+    (SamplingParams(0.0, top_k=3), "greedy"),
+    (SamplingParams(0.8), "sample"),
+    (SamplingParams(0.8, top_p=1.0), "sample"),
+    (SamplingParams(0.8, top_k=3), "filter"),
+    (SamplingParams(1.0, top_p=0.6), "filter"),
+]
+
+
+@pytest.mark.parametrize("params, mode", MODES)
+def test_mode_of_parameters(params, mode):
+    """The step mode each request's parameters select (filter: the general mode)."""
+    assert params.mode == mode
+
+
+@pytest.mark.parametrize("params, mode", [(p, m) for p, m in MODES if m != "filter"])
 def test_static_mode_equals_filter_mode(params, mode):
-    """The engine's static fast paths draw exactly what the general mode draws."""
+    """The engine's static fast paths draw exactly what the general mode ("filter", the
+    default of `sample`, checked against hand-computed distributions above) draws."""
     assert params.mode == mode
     logits = jax.random.normal(jax.random.key(5), (6, 50))
     key = jax.random.key(9)
