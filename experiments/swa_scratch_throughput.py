@@ -445,8 +445,8 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
 def estimate(predicted: dict[tuple, dict], params: Params, weights: int, scale=1.0) -> dict:
     """Seconds of one preset's invocation: init + compiles (two step variants per distinct
     layout, compiled in threads: `precompile_cells`) + the predicted runs (each at most
-    cell_limit_s),
-    the runs scaled by `scale` (requests / simulated requests: steps grow with the requests)."""
+    cell_limit_s), the runs scaled by `scale` (requests / simulated requests: steps grow with
+    the requests)."""
     layouts = {(s, tuple(p["num_slots"])) for (_, s), p in predicted.items()}
     init = 5.0 + weights / 4e9
     variants = 2 * len(layouts)

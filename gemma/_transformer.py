@@ -192,11 +192,11 @@ class Transformer(nnx.Module):
             0 in `for_tensor_parallel`), copying one layer's above it. True / 'unrolled': the
             run unrolled with static slices, which XLA fuses into the GEMMs (no copies; traced
             and compiled per layer; see `_unrolled_run`): for steps whose time is the
-            weights' bytes (decode). 'grouped' (or its
-            implementations 'pallas' / 'reference'): the scan kept, each matrix multiplied in
-            the stack by the grouped matmul (`gemma._layers.StackedRow`; for study, far slower
-            at decode: the kernel's row tiles grow with the stack's groups). The same numbers
-            up to the GEMMs' accumulation order.
+            weights' bytes (decode). 'grouped' (or its implementations 'pallas' /
+            'reference'): the scan kept, each matrix multiplied in the stack by the grouped
+            matmul (`gemma._layers.StackedRow`; for study, far slower at decode: the kernel's
+            row tiles grow with the stack's groups). The same numbers up to the GEMMs'
+            accumulation order.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
