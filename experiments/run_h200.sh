@@ -22,10 +22,19 @@ run() {  # name limit command...
 for stage in "$@"; do
   case $stage in
     gpu-tests)
+      # Workers from the card's free memory: the largest tests (full-size presets, stacks of
+      # every layer's experts) hold up to ~16 GiB each, so an 80 GB H100 runs 4 and a 141 GB
+      # H200 8. An out-of-memory failure is then a finding, not noise (GPU_TEST_WORKERS wins).
+      free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1)
+      workers=${GPU_TEST_WORKERS:-$(( free_mib / 16384 < 1 ? 1 : (free_mib / 16384 > 8 ? 8 : free_mib / 16384) ))}
+      echo "gpu-tests: ${free_mib} MiB free, ${workers} workers" | tee -a "$OUT/stages.txt"
       XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
-        python3 -m pytest -m gpu -q -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfE \
+        python3 -m pytest -m gpu -q -n "$workers" -p no:cacheprovider -rA \
         --durations=30 --junitxml="$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
         ${GPU_TESTS:-tests/} ;;
+    stacked)  # the stacked matmul at every preset geometry [STACKED_ARGS="--sweep"]
+      run stacked "${STAGE_LIMIT_stacked:-400}" python3 experiments/bench_stacked.py \
+        ${STACKED_ARGS:-} --out "$OUT/stacked_h200.json" ;;
     gpu-tests-serial)
       run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/ ;;
     kernels)

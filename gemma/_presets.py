@@ -15,6 +15,11 @@ values raise `ValueError`.
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from gemma._config import (
     RopeConfig,
@@ -391,3 +396,52 @@ def small_preset(name: str, *, num_layers: int | None = None, **overrides) -> Tr
             shared -= 1
         small["num_kv_shared_layers"] = shared
     return preset(name, **{**small, **overrides})
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedGeometry:
+    """A weight matrix that a layer-scanned decode step multiplies in its stack: the product
+    [rows, k] x [k, n], and the most layers (`stack_layers`) any preset stacks it over.
+
+    `presets` names every preset with this geometry, in `PRESET_NAMES` order.
+    """
+
+    k: int
+    n: int
+    stack_layers: int
+    presets: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        """A short name for test ids and benchmark records, e.g. 'k3840n15360'."""
+        return f"k{self.k}n{self.n}"
+
+
+def stacked_geometries(names: tuple[str, ...] = PRESET_NAMES) -> tuple[StackedGeometry, ...]:
+    """Every distinct (k, n) of the matrices that the named presets' scanned runs stack
+    (attention projections, MLP, router, per-layer-input maps; MoE experts excepted, which
+    the grouped matmul reads: `moe_geometries`), read off each preset's abstract model, so a
+    new preset or a changed one is covered by every test and benchmark that iterates over it."""
+    from gemma._checkpoint import abstract_model  # imports the model, which imports this module
+
+    found: dict[tuple[int, int], list] = {}
+    for name in names:
+        model = abstract_model(preset(name), jnp.bfloat16)
+        for run, blocks in zip(model.layer_runs, model.blocks, strict=True):
+            if not run.scanned:
+                continue
+            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(blocks)):
+                keys = [str(getattr(p, "key", p)) for p in path]
+                shape = leaf.shape
+                if len(shape) < 3 or ("moe" in keys and len(shape) == 4):
+                    continue
+                if "o_proj" in keys:  # [R, N, H, D]
+                    k, n = shape[1] * shape[2], shape[3]
+                else:  # q / k / v [R, D, N, H]; matrices [R, K, N]
+                    k, n = shape[1], math.prod(shape[2:])
+                layers, users = found.setdefault((k, n), [0, []])
+                found[k, n] = [max(layers, shape[0]), users + [name] * (name not in users)]
+    return tuple(
+        StackedGeometry(k, n, layers, tuple(users))
+        for (k, n), (layers, users) in sorted(found.items())
+    )

@@ -5,6 +5,7 @@ from gemma._presets import (
     PRESET_NAMES,
     AttentionGeometry,
     MoEGeometry,
+    StackedGeometry,
     attention_geometries,
     gemma3_1b,
     gemma3_4b,
@@ -19,6 +20,7 @@ from gemma._presets import (
     moe_geometries,
     preset,
     small_preset,
+    stacked_geometries,
 )
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "MoEGeometry",
     "attention_geometries",
     "moe_geometries",
+    "StackedGeometry",
+    "stacked_geometries",
     "RopeConfig",
     "TransformerConfig",
     "gemma3_1b",

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels._wgmma_stream import stream_tile
 
 IMPLEMENTATIONS = ("auto", "reference", "pallas")
 BLOCK_K = 64
@@ -128,7 +129,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, group_offset=None, implementation: 
 
 # ------------------------------------------------------------------ groups within a larger stack
 TILE_ROWS = 64  # rows of one tile: one warpgroup's WGMMA
-TILE_STEPS = 4  # K blocks of copies in flight
+TILE_STEPS = 4  # K blocks of copies in flight (see `_wgmma_stream`)
 
 
 def _offset_grouped_matmul(lhs, rhs, group_sizes, group_offset, implementation):
@@ -208,19 +209,19 @@ def tile_grouped_matmul(lhs, rhs, group_sizes, group_offset):
 
         @pl.when(t < count_ref[0])
         def _():
-            row_block = block_ref[t]
-
             def tile(acc_ref):
-                plgpu.emit_pipeline(
-                    lambda _, a, b: plgpu.wgmma(acc_ref, a, b),
-                    grid=(k // BLOCK_K,),
-                    in_specs=[
-                        plgpu.BlockSpec((TILE_ROWS, BLOCK_K), lambda kb: (row_block, kb)),
-                        plgpu.BlockSpec((BLOCK_K, block_n), lambda kb: (kb, col)),
-                    ],
-                    max_concurrent_steps=TILE_STEPS,
-                )(lhs_ref, rhs_ref.at[group_ref[t]])
-                return acc_ref[...]
+                stream_tile(
+                    acc_ref,
+                    lhs_ref,
+                    rhs_ref.at[group_ref[t]],
+                    row_block=block_ref[t],
+                    col_block=col,
+                    k_first=0,
+                    k_steps=k // BLOCK_K,
+                    block_k=BLOCK_K,
+                    stages=TILE_STEPS,
+                )
+                return acc_ref[...]  # waits for the last WGMMA
 
             acc = pl.run_scoped(tile, plgpu.ACC((TILE_ROWS, block_n)))
             out_ref[pl.ds(t * TILE_ROWS, TILE_ROWS), pl.ds(col * block_n, block_n)] = acc.astype(

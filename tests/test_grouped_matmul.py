@@ -142,17 +142,59 @@ def test_tile_plan_by_hand():
     assert slot.tolist() == want
 
 
-def _offset_case(rng, m, k, n, e, layers, offset):
-    sizes = skewed_sizes(rng, m, e)
+def split_patterns(rng, m: int, groups: int) -> dict[str, np.ndarray]:
+    """Group sizes summing to m that split the 64-row tiles every way: skewed (a third empty),
+    one-row groups between larger ones, a group ending one row into a tile, everything in the
+    last group (a whole tile of one group), and runs of empty groups between tiny ones."""
+    patterns = {"skewed": skewed_sizes(rng, m, groups)}
+    ones = np.zeros(groups, np.int32)
+    picks = np.sort(rng.choice(groups, size=min(groups, 6), replace=False))
+    ones[picks[:-1]] = 1
+    ones[picks[-1]] = m - (len(picks) - 1)
+    patterns["one_row_groups"] = ones
+    ending = np.zeros(groups, np.int32)
+    first = min(65, m - 1)  # ends one row into the second tile (or the last row)
+    ending[groups // 3], ending[-1] = first, m - first
+    patterns["ends_inside_a_tile"] = ending
+    last = np.zeros(groups, np.int32)
+    last[-1] = m
+    patterns["one_group"] = last
+    sparse = np.zeros(groups, np.int32)
+    sparse[::7] = 1
+    sparse[0] += m - sparse.sum()
+    patterns["empty_runs"] = sparse
+    for name, sizes in patterns.items():
+        assert sizes.sum() == m and (sizes >= 0).all(), name
+    return patterns
+
+
+def _offset_case(rng, m, k, n, e, layers, offset, sizes=None):
+    """lhs, a stack of `layers` x e groups in which only this layer's non-empty groups hold
+    weights (other layers' groups and this layer's empty ones are NaN: never to be read), the
+    sizes and the float64 oracle."""
+    sizes = skewed_sizes(rng, m, e) if sizes is None else sizes
     lhs = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)
-    stack = np.asarray(jnp.asarray(rng.standard_normal((layers * e, k, n)), jnp.bfloat16))
-    stack = stack.astype(np.float32)
-    want = oracle(np.asarray(lhs, np.float32), stack[offset : offset + e], sizes)
-    # Other layers' groups and this layer's empty groups are NaN: never to be read.
-    poisoned = np.ones(layers * e, bool)
-    poisoned[offset + np.flatnonzero(sizes)] = False
-    stack[poisoned] = np.nan
+    stack = np.full((layers * e, k, n), np.nan, np.float32)
+    used = offset + np.flatnonzero(sizes)
+    stack[used] = np.asarray(
+        jnp.asarray(rng.standard_normal((len(used), k, n), np.float32), jnp.bfloat16), np.float32
+    )
+    want = oracle(np.asarray(lhs, np.float32), np.nan_to_num(stack[offset : offset + e]), sizes)
     return lhs, jnp.asarray(stack, jnp.bfloat16), jnp.asarray(sizes), want
+
+
+def _check_offset_product(lhs, rhs, sizes, want, offset, what):
+    """The tile kernel with `offset` static (unrolled) and traced (the layer scan's counter)."""
+    static = jax.jit(
+        lambda a, b, c: grouped_matmul(a, b, c, group_offset=offset, implementation="pallas")
+    )(lhs, rhs, sizes)
+    traced = jax.jit(
+        lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
+    )(lhs, rhs, sizes, jnp.int32(offset))
+    for form, got in (("static", static), ("traced", traced)):
+        got = np.asarray(got, np.float32)
+        assert np.isfinite(got).all(), (what, form)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=f"{what} {form}")
 
 
 @pytest.mark.parametrize(
@@ -176,6 +218,38 @@ def test_tile_kernel_reads_one_layer_s_groups_in_interpret_mode(m, layers, offse
         lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="reference")
     )(lhs, clean, sizes, jnp.int32(offset))
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+# The largest MoE geometry's down product (K = moe_ff, N = hidden) at its real width and
+# expert count, rows giving one to four 64-row tiles.
+_DOWN = max(GEOMS, key=lambda g: g.experts * g.hidden)
+
+
+def test_tile_kernel_splits_tiles_at_the_preset_geometry_in_interpret_mode():
+    """The tile kernel at a preset's real expert geometry (its down product: all E experts, K
+    and N as in the preset), 200 rows (four 64-row tiles), in GPU interpret mode with race
+    detection, the offset traced, every other group NaN: one-row groups, a group ending one
+    row into a tile and runs of empty groups in one pattern, so that few tiles are interpreted.
+
+    Interpret mode cannot show a fault of the hardware's ordering: it runs each WGMMA to
+    completion before the next statement, so a buffer refilled while a WGMMA still reads it
+    (the fault found at this geometry on an H100) computes correctly here. That discipline is
+    checked on the kernels' traces instead (`test_stacked_matmul.py::
+    test_pipelines_retire_each_wgmma_before_refilling_its_buffers`), and the compiled kernel
+    on every pattern of `split_patterns`, offsets static and traced, by
+    `test_tile_kernel_matches_oracle_on_gpu`."""
+    e, k, n, m = _DOWN.experts, _DOWN.moe_ff, _DOWN.hidden, 200
+    sizes = np.zeros(e, np.int32)
+    sizes[[3, 4, 9, 40, e - 1]] = [1, 64, 1, 70, m - 136]  # 1 | 64 | 1 | 70 ends in tile 3
+    rng = np.random.default_rng([m, k, n])
+    lhs, rhs, sizes, want = _offset_case(rng, m, k, n, e, 2, e, sizes)
+    with _checks.force_interpret():
+        got = jax.jit(
+            lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
+        )(lhs, rhs, sizes, jnp.int32(e))
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_group_offset_is_checked():
@@ -212,21 +286,42 @@ def test_tile_kernel_lowers_for_cuda_at_preset_geometries(geom):
         assert "mosaic_gpu" in text, (m, k, n, e)
 
 
+def _device_offset_case(key, lhs_rows, sizes, stack, offset):
+    """On the device: lhs, the stack with every group but this layer's non-empty ones NaN, and
+    the float32 (highest precision) per-group oracle; for stacks too large for host numpy."""
+    k = stack.shape[1]
+    lhs = (jax.random.normal(key, (lhs_rows, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    keep = np.zeros(stack.shape[0], bool)
+    keep[offset + np.flatnonzero(sizes)] = True
+    poisoned = jnp.where(jnp.asarray(keep)[:, None, None], stack, jnp.nan).astype(stack.dtype)
+    want, start = [], 0
+    for g, size in enumerate(np.asarray(sizes)):
+        if size:
+            rows = lhs[start : start + size].astype(jnp.float32)
+            w = stack[offset + g].astype(jnp.float32)
+            want.append(jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST))
+        start += size
+    want = np.asarray(jnp.concatenate(want), np.float32)
+    return lhs, poisoned, jnp.asarray(sizes), want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("geom", GEOMS, ids=IDS)
 def test_tile_kernel_matches_oracle_on_gpu(geom):
-    """The compiled tile kernel at each MoE preset's decode products, one layer of a stack,
-    its offset static (unrolled decode) and traced (the layer scan's counter)."""
+    """The compiled tile kernel at each MoE preset's products (gate/up and down), one layer's
+    experts of a three-layer stack whose other groups are NaN, offsets static and traced: a
+    16-row decode step's routed copies, and 64 to 256 copies in every pattern that splits a
+    64-row tile (`split_patterns`: one-row groups, a group ending inside a tile, runs of empty
+    groups, one group)."""
     rng = np.random.default_rng([geom.hidden, geom.moe_ff, geom.experts, 1])
-    for m, k, n, e in _moe_products(geom, COPIES["decode"]):
-        lhs, rhs, sizes, want = _offset_case(rng, m, k, n, e, 3, e)
-        static = jax.jit(
-            lambda a, b, c, o=e: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
-        )(lhs, rhs, sizes)
-        traced = jax.jit(
-            lambda a, b, c, o: grouped_matmul(a, b, c, group_offset=o, implementation="pallas")
-        )(lhs, rhs, sizes, jnp.int32(e))
-        for got in (static, traced):
-            got = np.asarray(got, np.float32)
-            assert np.isfinite(got).all(), (m, k, n, e)
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    key = jax.random.key(geom.hidden)
+    for m0, k, n, e in _moe_products(geom, COPIES["decode"]):
+        key, sub = jax.random.split(key)
+        stack = jax.random.normal(sub, (3 * e, k, n), jnp.bfloat16)
+        for m in sorted({m0, 64, 200, 256}):
+            for name, sizes in split_patterns(rng, m, e).items():
+                key, sub = jax.random.split(key)
+                lhs, rhs, sizes_, want = _device_offset_case(sub, m, sizes, stack, e)
+                _check_offset_product(lhs, rhs, sizes_, want, e, (m, k, n, e, name))
+                del rhs
+        del stack
