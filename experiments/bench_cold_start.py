@@ -1,9 +1,9 @@
 """Cold start and the decode step as `Engine.run` drives it, on the H200.
 
     SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --out $OUT/c.json
-    # cold starts with the decode steps reading the weights in place as well
-    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --in-place both \
-        --decode --out $OUT/c.json
+    # and the decode step of each preset of DECODE_CASES (or --decode-presets)
+    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/bench_cold_start.py --decode \
+        --out $OUT/c.json
     PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --out /tmp/c.json
     # CPU, the presets' depth at small widths (reference attention): the caches' effect
     PYTHONPATH=. .venv/bin/python experiments/bench_cold_start.py --quick --full-depth \
@@ -22,11 +22,14 @@ the same pair with the step cache off (`cold_no_step_cache_s`,
 `precompile` records the same with `Engine(precompile=True)` (every step shape compiled at
 construction, in threads) where asked.
 
-Decode (`--decode`): Gemma 3 4B, 64 prompts of 8192 tokens, 33 new tokens each, greedy; the
-inter-token latency of the run (p50, host loop included) against the step's bytes floor: the
-weights and the KV the step reads, at the copy bandwidth measured in the run; with the layers
-under `lax.scan` (the default), the same with `Engine(decode_weights_in_place=True)`, and the
-model built unrolled (`scan_layers=False`), same weights.
+Decode (`--decode`): per preset of DECODE_CASES (rows, prompt tokens), that many prompts,
+96 new tokens each, greedy, through the default engine (`Engine.run`; the layers under
+`lax.scan`, every matrix read in its stack); the gaps between each request's last tokens (every
+row decoding: one decode step as the host loop drives it, p50) against the step's bytes floor:
+the weights a decode step reads (the MoE: the routed experts of its rows, at most all) and the
+KV, at the copy bandwidth measured in the run. For Gemma 3 4B also the model built unrolled
+(`scan_layers=False`, one Block per layer, the same weights): what XLA does with per-layer
+arrays.
 """
 
 # %%
@@ -42,11 +45,16 @@ import time
 import traceback
 
 PRESETS = ("gemma3_4b", "gemma4_e2b")
+# (preset, rows, prompt tokens) of the decode records
+DECODE_CASES = (
+    ("gemma3_4b", 64, 8192),
+    ("gemma4_12b", 8, 8192),
+    ("gemma4_26b_a4b", 16, 8192),
+    ("gemma4_31b", 8, 8192),
+)
 
 
-def child(
-    preset: str, quick: bool, precompile: bool, full_depth: bool = False, in_place: bool = False
-) -> dict:
+def child(preset: str, quick: bool, precompile: bool, full_depth: bool = False) -> dict:
     """One fresh process: build the model, then time engine construction -> first token."""
     import jax
     import jax.numpy as jnp
@@ -86,7 +94,6 @@ def child(
         max_num_tokens=512 if quick else 8192,
         implementation="reference" if quick else "pallas",
         precompile=precompile,
-        decode_weights_in_place=in_place,
     )
     built_s = time.perf_counter() - t0
     first = []
@@ -113,23 +120,18 @@ def cold_start(
     precompile: bool,
     full_depth: bool = False,
     step_cache="both",
-    in_place: bool = False,
 ) -> dict:
     """Fresh processes, two per cache setting, each pair on an empty cache directory: with the
     step cache (`SWAJAX_STEP_CACHE=1`; `swajax._step_cache`: a warm process neither traces nor
     lowers its steps) `cold_s` then `warm_cache_s`; with it off (`SWAJAX_STEP_CACHE=0`: JAX's
     compilation cache only, steps traced and lowered again) `cold_no_step_cache_s` then
     `warm_compilation_cache_only_s`. The two settings compile different modules (the step cache
-    calls an exported step), so each fills its own directory. in_place: the engine's decode
-    steps read the weights in place (`Engine(decode_weights_in_place=True)`: the layers
-    unrolled, compiled per layer)."""
+    calls an exported step), so each fills its own directory."""
     rec = dict(kind="cold_start", preset=preset, precompile=precompile, full_depth=full_depth)
-    rec["decode_weights_in_place"] = in_place
     cmd = [sys.executable, __file__, "--child", preset]
     cmd += ["--quick"] if quick else []
     cmd += ["--precompile"] if precompile else []
     cmd += ["--full-depth"] if full_depth else []
-    cmd += ["--in-place", "on"] if in_place else []
     settings = (
         ("1", ("cold", "warm_cache")),
         ("0", ("cold_no_step_cache", "warm_compilation_cache_only")),
@@ -167,9 +169,7 @@ def lowering_record(preset: str) -> dict:
     `plain_s` traces and lowers the jitted step (what a warm process did with the compilation
     cache alone), `export_s` exports and serializes it (a cold process, once), `cached_s`
     deserializes it and lowers the thin jit that calls it (a warm process with the step cache).
-    The time to look the executable up in the compilation cache is the same for both.
-    The decode step once more with `Engine(decode_weights_in_place=True)` (`in_place`: the
-    layers unrolled over static slices of the stacks, traced and lowered per layer)."""
+    The time to look the executable up in the compilation cache is the same for both."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -182,28 +182,18 @@ def lowering_record(preset: str) -> dict:
     model = gemma.Transformer(
         config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
     )
-    engines = {
-        in_place: swajax.Engine(
-            model,
-            swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=64 << 20),
-            max_context=4096,
-            max_batch=16,
-            max_num_tokens=8192,
-            implementation="pallas",
-            decode_weights_in_place=in_place,
-        )
-        for in_place in (False, True)
-    }
-    engine = engines[False]
+    engine = swajax.Engine(
+        model,
+        swajax.KVCacheConfig(page_size=32, dtype=jnp.bfloat16, max_gpu_total_bytes=64 << 20),
+        max_context=4096,
+        max_batch=16,
+        max_num_tokens=8192,
+        implementation="pallas",
+    )
     jax.jit(lambda x: x + 1).lower(jnp.ones(3))  # jax's own first-use costs, outside the timings
     rec = dict(kind="lowering", preset=preset, num_layers=config.num_layers, variants=[])
     decode_bucket = engine.step_buckets()[0][0]
-    for num_tokens, decode, in_place in (
-        (8192, False, False),
-        (decode_bucket, True, False),
-        (decode_bucket, True, True),
-    ):
-        engine = engines[in_place]
+    for num_tokens, decode in ((8192, False), (decode_bucket, True)):
         step = engine._step_function(decode, False, "greedy")
         args = engine._step_args(num_tokens)
         with _checks.force_compiled():
@@ -223,7 +213,6 @@ def lowering_record(preset: str) -> dict:
             dict(
                 num_tokens=num_tokens,
                 decode=decode,
-                in_place=in_place,
                 plain_s=plain_s,
                 export_s=export_s,
                 cached_s=cached_s,
@@ -238,7 +227,12 @@ def lowering_record(preset: str) -> dict:
 
 
 def decode_record(
-    quick: bool, copy_tbs: float | None, scan_layers: bool = True, in_place: bool = False
+    quick: bool,
+    copy_tbs: float | None,
+    preset: str = "gemma3_4b",
+    batch: int = 64,
+    context: int = 8192,
+    scan_layers: bool = True,
 ) -> dict:
     import jax
     import jax.numpy as jnp
@@ -248,17 +242,18 @@ def decode_record(
     import gemma
     import swajax
 
-    batch, context, new = (4, 256, 12) if quick else (64, 8192, 96)
+    new = 12 if quick else 96
+    if quick:
+        batch, context = min(batch, 4), 256
     tail = 8 if quick else 24  # the last tokens of each request come from decode-only steps
-    config = gemma.configs.small_preset("gemma3_4b") if quick else gemma.configs.gemma3_4b()
+    config = gemma.configs.small_preset(preset) if quick else gemma.configs.preset(preset)
     rec = dict(
         kind="decode_step",
-        preset="gemma3_4b",
+        preset=preset,
         batch=batch,
         context=context,
         new=new,
         scan_layers=scan_layers,
-        decode_weights_in_place=in_place,
     )
     try:
         model = gemma.Transformer(
@@ -268,12 +263,21 @@ def decode_record(
             param_dtype=jnp.bfloat16,
             scan_layers=scan_layers,
         )
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        params = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        weight_bytes = expert_bytes = 0
+        for path, x in params:
+            if "moe" in jax.tree_util.keystr(path) and x.ndim >= 3 and "router" not in str(path):
+                expert_bytes += x.nbytes
+            else:
+                weight_bytes += x.nbytes
+        if config.num_experts:  # the experts a decode step's rows route to, at most all
+            routed = min(1.0, batch * config.num_experts_per_token / config.num_experts)
+            weight_bytes += int(expert_bytes * routed)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1, config.vocab_size, context).tolist() for _ in range(batch)]
         # An explicit quota (the run's KV and its prefill chunk, with room to spare) instead of
-        # a fraction of free memory, so both variants plan the same pool.
-        quota = (64 << 20) if quick else (24 << 30)
+        # a fraction of free memory, so every variant plans the same pool.
+        quota = (64 << 20) if quick else _decode_quota(config, batch, context + new)
         engine = swajax.Engine(
             model,
             swajax.KVCacheConfig(
@@ -284,7 +288,6 @@ def decode_record(
             max_context=context + new + 32,
             max_batch=batch,
             implementation="reference" if quick else "pallas",
-            decode_weights_in_place=in_place,
         )
         engine.run(prompts[:1], 2)  # compile outside the run
         times: dict[int, list[float]] = {}
@@ -307,14 +310,26 @@ def decode_record(
             decode_step_ms_p90=float(np.percentile(gaps, 90) * 1e3),
             ttft_s=stats.ttft,
             steps=stats.steps,
-            weight_bytes=weight_bytes,
+            weight_bytes_read=weight_bytes,
             kv_bytes_per_step=batch * kv,
             floor_ms=floor_ms,
             x_floor=float(np.median(gaps)) * 1e3 / floor_ms if floor_ms else None,
         )
+        del engine, model
     except Exception:  # noqa: BLE001
         rec["error"] = traceback.format_exc()[-1500:]
     return rec
+
+
+def _decode_quota(config, batch: int, tokens: int) -> int:
+    """KV bytes for `batch` sequences of `tokens` (every KV layer's keys and values in bf16,
+    sliding layers their window) plus an 8192-token prefill chunk, with a quarter to spare."""
+    per_seq = 0
+    for i, s in enumerate(config.layer_specs):
+        if s.kv_source == i:
+            keys = tokens if s.window is None else min(tokens, s.window + 8192)
+            per_seq += 2 * keys * s.num_kv_heads * s.head_dim * 2
+    return int(batch * per_seq * 1.25) + (1 << 30)
 
 
 def main():
@@ -328,22 +343,18 @@ def main():
     p.add_argument(
         "--step-cache", default="both", choices=("both", "on", "off"), help="which process pairs"
     )
-    p.add_argument("--decode", action="store_true", help="also the Gemma 3 4B decode step")
+    p.add_argument("--decode", action="store_true", help="also the decode steps (DECODE_CASES)")
     p.add_argument(
-        "--in-place",
-        default="off",
-        choices=("off", "on", "both"),
-        help="Engine(decode_weights_in_place=...) of the cold starts (the decode records "
-        "always add the in-place engine beside the scan and the unrolled model)",
+        "--decode-presets", default=None, help="the presets of DECODE_CASES to run (default all)"
     )
+    p.add_argument("--no-cold", action="store_true", help="skip the cold starts")
     p.add_argument("--both", action="store_true", help="cold start with and without precompile")
     p.add_argument(
         "--lowering", action="store_true", help="only the lowering with and without the step cache"
     )
     args = p.parse_args()
     if args.child:
-        in_place = args.in_place == "on"
-        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth, in_place)))
+        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth)))
         return
     if args.lowering:  # CPU: no device needed
         from experiments._meta import run_metadata
@@ -373,34 +384,39 @@ def main():
         quick=args.quick, full_depth=args.full_depth, presets=args.presets, copy_tbs=copy
     )
     res["records"] = []
-    in_places = {"off": (False,), "on": (True,), "both": (False, True)}[args.in_place]
-    for preset in filter(None, args.presets.split(",")):
+    presets = [] if args.no_cold else list(filter(None, args.presets.split(",")))
+    for preset in presets:
         for pre in (False, True) if args.both else (args.precompile,):
-            for in_place in in_places:
-                res["records"].append(
-                    cold_start(preset, args.quick, pre, args.full_depth, args.step_cache, in_place)
-                )
-                with open(args.out, "w") as f:
-                    json.dump(res, f, indent=1, default=str)
-    if args.decode:
-        # the scanned model's decode steps, the same reading the weights in place, and the
-        # model built unrolled (one Block per layer, no stacks)
-        for scan_layers, in_place in ((True, False), (True, True), (False, False)):
-            res["records"].append(decode_record(args.quick, copy, scan_layers, in_place))
+            res["records"].append(
+                cold_start(preset, args.quick, pre, args.full_depth, args.step_cache)
+            )
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1, default=str)
-        scan, in_place, unrolled = (r.get("decode_step_ms") for r in res["records"][-3:])
-        if scan and unrolled:
-            res["decode_scan_over_unrolled"] = scan / unrolled
-        if scan and in_place:
-            res["decode_scan_over_in_place"] = scan / in_place
+    if args.decode:
+        wanted = args.decode_presets.split(",") if args.decode_presets else None
+        cases = [c for c in DECODE_CASES if wanted is None or c[0] in wanted]
+        # the default engine's decode steps; for Gemma 3 4B also the model built unrolled
+        # (one Block per layer, no stacks)
+        runs = [(*c, True) for c in cases]
+        runs += [(*c, False) for c in cases if c[0] == "gemma3_4b"]
+        for preset, batch, context, scan_layers in runs:
+            rec = decode_record(args.quick, copy, preset, batch, context, scan_layers)
+            res["records"].append(rec)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        steps = {
+            r["scan_layers"]: r.get("decode_step_ms")
+            for r in res["records"]
+            if r["kind"] == "decode_step" and r["preset"] == "gemma3_4b"
+        }
+        if steps.get(True) and steps.get(False):
+            res["decode_scan_over_unrolled"] = steps[True] / steps[False]
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     for r in res["records"]:
         if r["kind"] == "cold_start":
             print(
-                f"{r['preset']:<12} precompile={r['precompile']!s:<5} "
-                f"in_place={r['decode_weights_in_place']!s:<5} cold "
+                f"{r['preset']:<12} precompile={r['precompile']!s:<5} cold "
                 f"{r.get('cold_s', float('nan')):6.1f} s  warm cache "
                 f"{r.get('warm_cache_s', float('nan')):6.1f} s  (step cache off: cold "
                 f"{r.get('cold_no_step_cache_s', float('nan')):6.1f} s, warm "
@@ -409,14 +425,13 @@ def main():
             )
         else:
             print(
-                f"decode scan_layers={r['scan_layers']!s:<5} "
-                f"in_place={r['decode_weights_in_place']!s:<5} step {r.get('decode_step_ms')} ms, "
-                f"floor {r.get('floor_ms')} ms, itl {r.get('itl_ms')} {r.get('error', '')[-200:]}"
+                f"decode {r['preset']:<15} {r['batch']:>3} rows "
+                f"scan_layers={r['scan_layers']!s:<5} "
+                f"step {r.get('decode_step_ms')} ms, floor {r.get('floor_ms')} ms, x floor "
+                f"{r.get('x_floor')} {r.get('error', '')[-300:]}"
             )
     if "decode_scan_over_unrolled" in res:
         print(f"decode step, scan / unrolled: {res['decode_scan_over_unrolled']:.3f}")
-    if "decode_scan_over_in_place" in res:
-        print(f"decode step, scan / in place: {res['decode_scan_over_in_place']:.3f}")
 
 
 if __name__ == "__main__":

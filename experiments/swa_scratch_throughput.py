@@ -112,14 +112,14 @@ PUBLISHED = {
 # A step never takes less than the host needs to launch it: ~0.21 ms per layer, the
 # least-squares slope through the inter-token latency p50 of the OFF cells of Gemma 3 270M /
 # 1B and Gemma 4 E2B / E4B (4.1-9.6 ms at 18-42 layers; results/swa_scratch_h200.json, 876f573).
-# With in-place decode, a least-squares fit of the five Gemma 4 31B cells' times to their
-# predicted decode and prefill seconds (22f1cca, NOTES v17) gives decode steps at 0.65 of the
-# bytes floor and prefill steps at 0.92 of the matmul rate (then within 0.4 % of every cell).
+# With the weights read in place (unrolled then), a least-squares fit of the five Gemma 4 31B
+# cells' times to their predicted decode and prefill seconds (22f1cca, NOTES v17) gives decode
+# steps at 0.65 of the bytes floor and prefill steps at 0.92 of the matmul rate (then within
+# 0.4 % of every cell); the layer scan's decode steps read every matrix in its stack since.
 H200 = dict(
     copy_tbs=4.1,
     matmul_tflops=694.0,
-    decode_efficiency=0.58,  # the scan's decode steps
-    decode_efficiency_in_place=0.65,
+    decode_efficiency=0.65,
     prefill_efficiency=0.92,
     host_ms_per_layer=0.21,
 )
@@ -153,12 +153,6 @@ class Params:
     # prefill step has the full budget's shape, so a row's numbers (and greedy tokens) do not
     # depend on how many rows ON and OFF admit; decode rows wait behind prefill steps.
     batch_invariant: bool = True
-    # `Engine(decode_weights_in_place=True)`: decode steps unroll the layers with static
-    # slices, which the GEMMs read in place, instead of the scan's copy of every matrix
-    # (NOTES v15, v16). On by default: the copy is a fixed cost per decode step, which
-    # penalises OFF (more, smaller decode steps) more than ON, so without it the baseline
-    # is not the engine's best configuration.
-    decode_weights_in_place: bool = True
     # `gemma.set_experts_in_place_max_rows`: up to how many token copies the MoE layers read
     # their experts in the stack (the tile kernel); None: the model's default
     # (`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`); 0: every layer's experts copied out first
@@ -185,9 +179,11 @@ class Params:
         keys += ("max_num_tokens", "admission_headroom")
         # (recorded only when set, so that records of runs before the option stay comparable)
         keys += ("batch_invariant",) if self.batch_invariant else ()
-        keys += ("decode_weights_in_place",) if self.decode_weights_in_place else ()
         keys += ("experts_in_place_max_rows",) if self.experts_in_place_max_rows is not None else ()
         workload = {k: getattr(self, k) for k in keys}
+        # decode steps under the layer scan read every matrix in its stack (the stacked matmul;
+        # earlier cells: "decode_weights_in_place" True, unrolled, or absent, the scan's copies)
+        workload["decode_matrices"] = "in_stack"
         if self.batch_invariant:  # where the engine may cut a prompt's chunk (0: whole chunks)
             from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
 
@@ -392,8 +388,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         sched.add(Request(id=i, prompt=(0,) * len(p), max_new_tokens=params.output_len))
     per_token = matmul_flops_per_token(config)
     itemsize = jnp.dtype(params.kv_dtype).itemsize
-    in_place = "decode_efficiency_in_place" if params.decode_weights_in_place else None
-    copy = H200["copy_tbs"] * 1e12 * H200[in_place or "decode_efficiency"]
+    copy = H200["copy_tbs"] * 1e12 * H200["decode_efficiency"]
     matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
     decode_bucket = -(-params.rows // 8) * 8
     host_floor = H200["host_ms_per_layer"] * 1e-3 * len(config.layer_specs)
@@ -516,7 +511,6 @@ def cell_engine(model, config, params: Params, setup: str, scratch: bool, cap: i
         implementation=params.implementation,
         admission_headroom=params.admission_headroom,
         batch_invariant=params.batch_invariant,
-        decode_weights_in_place=params.decode_weights_in_place,
     )
     if setup == "adaptive":
         engine.adapt_pool([len(p) for p in prompts], params.output_len)
@@ -869,7 +863,13 @@ def format_table(records: list[dict], comp: dict) -> str:
             # the OFF cell the comparison used: of the ON cell's workload
             off = _cell(records, preset, ref, False, on.get("workload") if on else None)
             wl = (on or off or {}).get("workload") or {}
-            decode = "in place" if wl.get("decode_weights_in_place") else "scan"
+            decode = (
+                "in stack"
+                if wl.get("decode_matrices")
+                else "unrolled"
+                if wl.get("decode_weights_in_place")
+                else "scan copies"
+            )
             ours = c.get("change_pct", c.get("change_vs_reference_off_pct"))
             pred = c.get("predicted_change_pct", c.get("predicted_change_vs_cap_only_off_pct"))
             conc = f"{_show(off, 'max_concurrent')}/{_show(on, 'max_concurrent')}"
@@ -1019,14 +1019,6 @@ def parse(argv=None):
         "Engine(batch_invariant=True), whose ON/OFF tokens do not depend on the batching",
     )
     p.add_argument(
-        "--decode-weights-in-place",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Engine(decode_weights_in_place=True), the default: decode steps unroll the "
-        "layers and read each layer's matrices in the stacked parameters (no per-layer copy); "
-        "--no-decode-weights-in-place: the layer scan's decode steps",
-    )
-    p.add_argument(
         "--experts-in-place-max-rows",
         type=int,
         default=None,
@@ -1082,7 +1074,6 @@ def parse(argv=None):
             "cell_limit_s",
             "verify",
             "batch_invariant",
-            "decode_weights_in_place",
             "experts_in_place_max_rows",
             "profile",
             "precompile_workers",

@@ -22,6 +22,7 @@ from flax import nnx
 from gemma._config import RopeConfig, TransformerConfig
 from pallas_kernels._checks import on_gpu, on_hopper
 from pallas_kernels.grouped_matmul import grouped_matmul, supports
+from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul
 from swajax import LayerRef
 
 
@@ -55,18 +56,19 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> jax.Array:
 class StackedRow:
     """Row `index` of a parameter stacked over a scanned run's repetitions, not yet sliced.
 
-    Under `lax.scan`, slicing a layer's matrices out of the stacked parameters makes XLA copy
-    each of them before its GEMMs (a device-to-device copy per matrix per layer: a decode step
-    moves about three times the weights' bytes; `experiments/probe_layer_scan.py`). A Block
-    run with `weights_in_place` holds its large matrices as StackedRows, and `linear`
-    multiplies by them through `stacked_matmul`, which reads the row where it lies. Every
-    scanned or unrolled run holds its MoE expert stacks as StackedRows, which the MoE's
-    grouped matmul reads in place up to its bound (`MoE.in_place_max_rows`). Indexing
-    (`param[...]`) gives the sliced row, so every other use is unchanged.
+    Under `lax.scan`, slicing a layer's matrix out of the stack makes XLA copy it before the
+    GEMM that reads it (a device-to-device copy per matrix per layer per step; the copies
+    once took half of a decode step, `experiments/NOTES.md` v15). A scanned run therefore
+    hands its Blocks their matrices as StackedRows: `linear` multiplies by one through
+    `pallas_kernels.stacked_matmul`, which reads the row where it lies for products of up to
+    `max_rows` rows (decode steps; above it the row is sliced, a few % of a compute-bound
+    GEMM), and the MoE's grouped matmul reads a run's experts in their stack
+    (`MoE.in_place_max_rows`). Indexing (`param[...]`) gives the sliced row, so every other use
+    is unchanged.
     """
 
-    def __init__(self, stack: jax.Array, index: jax.Array, implementation: str = "auto"):
-        self.stack, self.index, self.implementation = stack, index, implementation
+    def __init__(self, stack: jax.Array, index: jax.Array, max_rows: int = MAX_ROWS):
+        self.stack, self.index, self.max_rows = stack, index, max_rows
 
     shape = property(lambda self: self.stack.shape[1:])
     dtype = property(lambda self: self.stack.dtype)
@@ -76,37 +78,12 @@ class StackedRow:
         return jax.lax.dynamic_index_in_dim(self.stack, self.index, 0, keepdims=False)[key]
 
 
-def stacked_matmul(x: jax.Array, stack: jax.Array, index, implementation: str = "auto"):
-    """x [M, K] @ stack[index] ([R, K, N] stack) -> [M, N], reading row `index` in place: the
-    grouped matmul of the whole stack with every row of x in group `index`
-    (`pallas_kernels.grouped_matmul`, whose Hopper kernel reads only the groups that own rows;
-    elsewhere `ragged_dot`, whose GPU lowering is dense over the groups, hence 'slice')."""
-    if implementation == "slice":
-        return jnp.dot(x, jax.lax.dynamic_index_in_dim(stack, index, 0, keepdims=False))
-    sizes = jnp.where(jnp.arange(stack.shape[0]) == index, x.shape[0], 0).astype(jnp.int32)
-    return grouped_matmul(x, stack, sizes, implementation=implementation)
-
-
-IN_PLACE_IMPLEMENTATIONS = ("auto", "pallas", "reference")
-
-
-def in_place_implementation(dtype, k: int, n: int, requested: str = "auto") -> str:
-    """How `stacked_matmul` runs for [M, k] x [R, k, n] operands of `dtype`: 'pallas' where the
-    kernel takes them and it is asked for or ('auto') on a Hopper GPU, 'reference'
-    (ragged_dot) when asked for or ('auto') on CPU, else 'slice'."""
-    if requested == "reference" or (requested == "auto" and not on_gpu()):
-        return "reference"
-    if supports(dtype, k, n) and (requested == "pallas" or on_hopper()):
-        return "pallas"
-    return "slice"
-
-
 def linear(subscripts: str, x: jax.Array, param: nnx.Variable, dtype) -> jax.Array:
     """`jnp.einsum(subscripts, x, param[...])` for the projections here, whose weight axes are
     the contracted ones (leading, matching x's trailing axes) then the output ones; a
-    StackedRow parameter is read in place (see `StackedRow`)."""
+    StackedRow parameter is read in its stack (see `StackedRow`)."""
     w = param.get_value()
-    if not isinstance(w, StackedRow) or jnp.dtype(w.dtype) != jnp.dtype(dtype):
+    if not isinstance(w, StackedRow):
         return jnp.einsum(subscripts, x, param[...].astype(dtype))
     ins, out = subscripts.split("->")
     x_axes, w_axes = ins.split(",")
@@ -115,9 +92,10 @@ def linear(subscripts: str, x: jax.Array, param: nnx.Variable, dtype) -> jax.Arr
     assert w_axes[:k] == "".join(contracted) == x_axes[-k:], subscripts
     assert out == x_axes[:-k] + w_axes[k:], subscripts
     kk, nn = math.prod(w.shape[:k]), math.prod(w.shape[k:])
-    x2 = x.astype(dtype).reshape(-1, kk)
-    stack = w.stack.reshape(w.stack.shape[0], kk, nn)
-    y = stacked_matmul(x2, stack, w.index, in_place_implementation(dtype, kk, nn, w.implementation))
+    x2 = x.astype(dtype).reshape(-1, kk)  # [M, K]
+    stack = w.stack.reshape(w.stack.shape[0], kk, nn)  # [R, K, N]: a bitcast, no copy
+    implementation = "auto" if x2.shape[0] <= w.max_rows else "reference"
+    y = stacked_matmul(x2, stack, w.index, implementation=implementation)
     return y.reshape(*x.shape[: x.ndim - k], *w.shape[k:])
 
 

@@ -34,12 +34,8 @@ from gemma._layers import (
     _normal,
     check_moe_implementation,
 )
+from pallas_kernels.stacked_matmul import MAX_ROWS
 from swajax import LayerRef
-
-# How scanned runs read each layer's matrices (`Transformer.forward(weights_in_place=...)`):
-# 'unrolled' (static slices, what True means), 'grouped' (the grouped matmul over the stack,
-# Hopper kernel where it applies) or its implementations 'pallas' / 'reference'.
-WEIGHTS_IN_PLACE = ("unrolled", "grouped", "pallas", "reference")
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -114,6 +110,7 @@ class Transformer(nnx.Module):
         d = c.hidden_size
         self.embedding = nnx.Param(_normal(rngs, (c.vocab_size, d), self.param_dtype))
         self.scan_layers = bool(scan_layers)
+        self.in_place_max_rows = MAX_ROWS
         self.layer_runs = c.layer_runs if scan_layers else (LayerRun(0, c.num_layers, 1),)
         self.blocks = nnx.List(
             [
@@ -168,7 +165,6 @@ class Transformer(nnx.Module):
         attention_fn,
         attention_state,
         logits_indices=None,
-        weights_in_place=False,
     ):
         """Logits f32[..., T, V] and the final attention_state, with attention through the hook.
 
@@ -183,20 +179,11 @@ class Transformer(nnx.Module):
           logits_indices: optional i32[..., M] token indices (per row) whose logits
             are wanted: the output is then f32[..., M, V] and the unembedding runs
             on those tokens only (e.g. the last token of each packed sequence).
-          weights_in_place: how scanned runs read each layer's matrices. False: `lax.scan`
-            slicing them per repetition, which XLA does by copying each matrix before its
-            GEMM (a fixed cost per step, about twice the weights' bytes; see
-            `experiments/probe_layer_scan.py`); the MoE experts excepted, which every form
-            keeps in their stack for the grouped matmul to read in place at up to
-            `MoE.in_place_max_rows` token copies (`gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`;
-            0 in `for_tensor_parallel`), copying one layer's above it. True / 'unrolled': the
-            run unrolled with static slices, which XLA fuses into the GEMMs (no copies; traced
-            and compiled per layer; see `_unrolled_run`): for steps whose time is the
-            weights' bytes (decode). 'grouped' (or its implementations 'pallas' /
-            'reference'): the scan kept, each matrix multiplied in the stack by the grouped
-            matmul (`gemma._layers.StackedRow`; for study, far slower at decode: the kernel's
-            row tiles grow with the stack's groups). The same numbers up to the GEMMs'
-            accumulation order.
+
+        A scanned run reads each layer's matrices in their stack (`gemma._layers.StackedRow`):
+        through `pallas_kernels.stacked_matmul` for products of up to `in_place_max_rows`
+        rows, the MoE experts through the grouped matmul up to `MoE.in_place_max_rows` token
+        copies; larger products (prefill steps) slice the layer's matrix, which XLA copies.
         """
         c = self.config
         _check_tokens(c, tokens, positions)
@@ -210,7 +197,14 @@ class Transformer(nnx.Module):
             )
             if run.scanned:
                 x, attention_state = _scan_run(
-                    run, blocks, x, positions, ple, attention_fn, attention_state, weights_in_place
+                    run,
+                    blocks,
+                    x,
+                    positions,
+                    ple,
+                    attention_fn,
+                    attention_state,
+                    self.in_place_max_rows,
                 )
                 continue
             for r, block in enumerate(blocks):
@@ -314,13 +308,16 @@ class Transformer(nnx.Module):
 
     def for_tensor_parallel(self, tp: int) -> Transformer:
         """The model as a mesh of tp tensor-parallel devices serves it, sharing this one's arrays
-        (nothing copied). With tp > 1 and MoE layers, each layer's experts are taken out of the
-        run's stack (`set_experts_in_place_max_rows(view, 0)`): the grouped matmul's kernel
-        takes whole operands, so a stack sharded over the experts given to it whole would be
-        gathered whole onto every device, where one layer's slice is gathered at a time."""
-        if tp <= 1 or not self.config.num_experts:
+        (nothing copied). With tp > 1 every scanned product takes its layer's slice of the stack
+        (`in_place_max_rows = 0`, and `set_experts_in_place_max_rows(view, 0)` for the MoE
+        experts): the Pallas kernels take whole operands, so a stack sharded over the model
+        axis given to one whole would be gathered whole onto every device, where a layer's
+        slice is gathered (or, for the dense matrices, multiplied shard by shard) one at a
+        time."""
+        if tp <= 1:
             return self
         view = nnx.merge(*nnx.split(self))
+        view.in_place_max_rows = 0
         set_experts_in_place_max_rows(view, 0)
         return view
 
@@ -389,43 +386,24 @@ def _set_row(stack, x, c):
     return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), c, 0)
 
 
-def _scan_run(
-    run: LayerRun, blocks, x, positions, ple, attention_fn, attention_state, in_place=False
-):
-    """The run's repetitions under one `lax.scan`: parameters sliced per repetition (in_place:
-    the matrices left in the stack as `StackedRow`s, the vectors sliced), the activations and
-    the attention state carried (pool roots update in place). The MoE experts' stacks are never
-    scan inputs: they stay whole as `StackedRow`s, and the MoE reads the layer's experts in the
-    stack or takes a copy of them by the step's rows (`gemma._layers.experts_in_place`)."""
+def _scan_run(run: LayerRun, blocks, x, positions, ple, attention_fn, attention_state, max_rows):
+    """The run's repetitions under one `lax.scan`: vectors (norm scales, layer scalars) sliced
+    per repetition, every matrix left in its stack as a `StackedRow` that `linear` (products
+    of up to `max_rows` rows) and the MoE read in place; the activations and the attention
+    state carried (pool roots update in place)."""
     graphdef, stacked = nnx.split(blocks)
     if ple is not None:  # [..., T, run layers, P] -> [count, ..., T, period, P]
         ple = ple.reshape(*ple.shape[:-2], run.count, run.period, ple.shape[-1])
         ple = jnp.moveaxis(ple, -3, 0)
-    if in_place is True:
-        in_place = "unrolled"
-    if in_place and in_place not in WEIGHTS_IN_PLACE:
-        raise ValueError(
-            f"weights_in_place must be False, True or one of {WEIGHTS_IN_PLACE}, got {in_place!r}"
-        )
-    if in_place == "grouped":
-        in_place = "auto"
-    if in_place == "unrolled":
-        return _unrolled_run(
-            run, graphdef, stacked, x, positions, ple, attention_fn, attention_state
-        )
-    if in_place:
-        whole = jax.tree.map(lambda a: a.ndim >= 3, stacked)
-    else:
-        whole = jax.tree_util.tree_map_with_path(lambda p, a: _is_expert_stack(p), stacked)
+    whole = jax.tree.map(lambda a: a.ndim >= 3, stacked)
     sliced = jax.tree.map(lambda a, w: None if w else a, stacked, whole)
-    row = functools.partial(StackedRow, implementation=in_place or "auto")
 
     def body(carry, xs):
         x, state = carry
         params, c, ple_c = xs
-        # The whole stacks' rows stay where they are; the other parameters come sliced.
+        # The stacks stay where they are; the vectors come sliced.
         params = jax.tree.map(
-            lambda a, w, v: row(a, c) if w else v,
+            lambda a, w, v: StackedRow(a, c, max_rows) if w else v,
             stacked,
             whole,
             params,
@@ -444,48 +422,13 @@ def _scan_run(
     return x, attention_state
 
 
-def _unrolled_run(run: LayerRun, graphdef, stacked, x, positions, ple, attention_fn, state):
-    """The run's repetitions one after another in the traced program, each taking its
-    parameters as static slices of the stacks: XLA fuses a static slice of a parameter into the
-    GEMM that reads it, so the weights are read where they lie (no copies), at the cost of
-    tracing and compiling every layer. The MoE experts' stacks are the exception: their
-    grouped matmul is a custom call, which XLA cannot fuse a slice into (a slice there would be
-    a copy of every expert), so they stay whole as `StackedRow`s and the grouped matmul reads
-    this layer's experts in the stack (`group_offset`), up to the MoE's bound
-    (`MoE.in_place_max_rows`; 0 in the tensor-parallel view)."""
-
-    def row(path, a, c):
-        if _is_expert_stack(path):
-            return StackedRow(a, c)
-        return jax.lax.index_in_dim(a, c, keepdims=False)
-
-    for c in range(run.count):
-        params = jax.tree_util.tree_map_with_path(lambda p, a, c=c: row(p, a, c), stacked)
-        for r, block in enumerate(nnx.merge(graphdef, params)):
-            like = run.first + r
-            p = None if ple is None else ple[c][..., r, :]
-            layer = LayerRef.of(like + c * run.period)  # unrolled: the layer is its own like
-            x, state = block(x, positions, p, attention_fn, state, layer)
-    return x, state
-
-
-def _is_expert_stack(path) -> bool:
-    """Whether a parameter path (`jax.tree_util` keys) names an MoE expert matrix."""
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return any(
-        a == "moe" and b in ("gate_proj", "up_proj", "down_proj")
-        for a, b in zip(keys, keys[1:], strict=False)
-    )
-
-
-@functools.partial(nnx.jit, static_argnames="weights_in_place")
-def _dense_forward(model: Transformer, tokens, positions, segment_ids, weights_in_place=False):
+@nnx.jit
+def _dense_forward(model: Transformer, tokens, positions, segment_ids):
     state = DenseAttentionState(positions=positions, segment_ids=segment_ids)
     logits, _ = model.forward(
         tokens,
         positions,
         attention_fn=dense_attention_fn(model.config.layer_specs),
         attention_state=state,
-        weights_in_place=weights_in_place,
     )
     return logits

@@ -146,6 +146,13 @@ class force_interpret(_forced_mode):
     mode = "interpret"
 
 
+def kernels_forced() -> bool:
+    """Whether a `force_compiled` / `force_interpret` context is active: "auto" dispatchers
+    that follow it (`stacked_matmul`) then pick their Mosaic kernel as on a Hopper GPU, so a
+    whole model step lowers for CUDA, or runs interpreted, with it."""
+    return _FORCED_MODE[0] is not None
+
+
 def interpret_params():
     """GPU interpret mode (race detection on) off-Hopper or under `force_interpret`, else None."""
     from jax.experimental.pallas import mosaic_gpu as plgpu

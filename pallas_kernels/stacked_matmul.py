@@ -15,9 +15,10 @@ Implementations:
   (rows past M read as zero and are never stored). With one K split the tile is stored in x's
   dtype; with several, each split stores float32 partial sums [splits, M, N] and XLA adds
   them. Needs bf16/f16 operands of one dtype, K a multiple of 64 and N a multiple of 64.
-- "auto": "pallas" on a Hopper GPU where the kernel takes the operands and M is at most
-  `MAX_ROWS`; else "reference". Above MAX_ROWS (prefill steps) the product is compute-bound:
-  the copy of the matrix is a few % of its GEMM, which XLA's own GEMMs run at the matmul rate.
+- "auto": "pallas" on a Hopper GPU (or under `_checks.force_compiled` / `force_interpret`)
+  where the kernel takes the operands and M is at most `MAX_ROWS`; else "reference". Above
+  MAX_ROWS (prefill steps) the product is compute-bound: the copy of the matrix is a few % of
+  its GEMM, which XLA's own GEMMs run at the matmul rate.
 
 Tiling (`tiling(m, k, n)`): the memory-bound product wants every SM streaming weights. Column
 blocks of 128 (64 where N is not a multiple of 128) give N / block_n programs; K is split
@@ -134,7 +135,7 @@ def uses_kernel(x, stack, implementation: str = "auto") -> bool:
     return implementation == "pallas" or (
         implementation == "auto"
         and x.shape[0] <= MAX_ROWS
-        and _checks.on_hopper()
+        and (_checks.on_hopper() or _checks.kernels_forced())
         and _kernel_takes(x, stack)
     )
 

@@ -239,16 +239,6 @@ class Engine:
         (`RunStats.preemptions` counts them). ValueError with a mesh of several "data"
         replicas (one step runs every replica's plan, and each replica's scheduler picks its
         own step kind).
-      decode_weights_in_place: how decode steps read each scanned layer's matrices (see
-        `gemma.Transformer.forward(weights_in_place=...)`): False slices them under the layer
-        scan (XLA copies each dense matrix per step; the MoE experts are read in their stack
-        at decode-sized steps either way, `gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS`, except on
-        a mesh of tp > 1, see `mesh`); True
-        unrolls the layers with static slices, which the GEMMs read where they lie (decode
-        steps compile per layer); 'grouped' keeps the scan and multiplies in the
-        stack through the grouped matmul (needs mesh=None, ValueError otherwise; for study:
-        far slower than the copies at decode, experiments/NOTES.md v16). Prefill steps
-        always scan.
 
     With `kv_cache_config.pool_ratio="adaptive"` the pool is split anew for the queued requests
     whenever the engine is idle and the policy says so (see the module docstring); until the
@@ -276,7 +266,6 @@ class Engine:
         precompile: bool = False,
         mesh=None,
         batch_invariant: bool = False,
-        decode_weights_in_place: bool = False,
     ):
         enable_default_cache()
         config = model.config
@@ -304,16 +293,6 @@ class Engine:
             raise ValueError(f"admission_headroom must be in [0, 1), got {admission_headroom!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if not (isinstance(decode_weights_in_place, bool) or decode_weights_in_place == "grouped"):
-            raise ValueError(
-                "decode_weights_in_place must be True, False or 'grouped', got "
-                f"{decode_weights_in_place!r}"
-            )
-        if decode_weights_in_place == "grouped" and mesh is not None:
-            raise ValueError(
-                "decode_weights_in_place='grouped' needs mesh=None: the grouped matmul that "
-                "reads a layer's matrices in the stack is not partitioned over devices"
-            )
         if batch_invariant and min_bucket != max_num_tokens:
             raise ValueError(
                 f"batch_invariant=True runs every prefill step at max_num_tokens={max_num_tokens} "
@@ -365,7 +344,6 @@ class Engine:
         self.chunk = chunk
         self.min_prefill_bucket = min(min_bucket, max_num_tokens)
         self.batch_invariant = batch_invariant
-        self.decode_weights_in_place = decode_weights_in_place
         self.vocab_size = config.vocab_size
         self.implementation = implementation
         self.max_shares = min(16, max_batch + prefix_cache_rows) if prefix_cache_rows else 0
@@ -653,15 +631,6 @@ class Engine:
                 sampling_mode=mode,
                 logits=logits,
                 mesh=self.mesh,
-                weights_in_place=(
-                    False
-                    if not (decode and self.decode_weights_in_place)
-                    else "unrolled"
-                    if self.decode_weights_in_place is True
-                    else "pallas"
-                    if self.implementation == "pallas"
-                    else "grouped"
-                ),
             )
         return self._steps[key]
 

@@ -89,7 +89,6 @@ def generate(
     prefix_cache_rows: int = 0,
     stop_token_ids=(),
     mesh=None,
-    decode_weights_in_place: bool = False,
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` token ids for each prompt on a paged KV cache.
 
@@ -112,9 +111,6 @@ def generate(
       stop_token_ids: tokens that end a sequence (returned as its last token).
       mesh: a `jax.sharding.Mesh` with a "model" axis (tensor parallelism) and optionally a
         "data" axis (replicas serving disjoint prompts), or None for one device (see `Engine`).
-      decode_weights_in_place: decode steps unrolled over the layers, reading each layer's
-        weights where they lie instead of the layer scan's per-step copy of them: faster decode
-        for a longer first compile (see `Engine`).
 
     Returns:
       The generated token ids of each prompt, in order.
@@ -136,7 +132,6 @@ def generate(
         max_num_tokens=max_num_tokens,
         prefix_cache_rows=prefix_cache_rows,
         mesh=mesh,
-        decode_weights_in_place=decode_weights_in_place,
     )
     outputs, _ = engine.run(
         prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
@@ -155,7 +150,6 @@ def cached_engine(
     max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
     mesh=None,
-    decode_weights_in_place: bool = False,
 ) -> Engine:
     """The engine that serves requests of `request_lengths` tokens (prompt + new tokens).
 
@@ -167,17 +161,12 @@ def cached_engine(
     """
     cfg = kv_cache_config or KVCacheConfig()
     config = model.config
-    if not isinstance(decode_weights_in_place, bool):
-        raise ValueError(
-            f"decode_weights_in_place must be True or False, got {decode_weights_in_place!r}"
-        )
     if max_batch is not None:
         max_batch = _validate.positive_int("max_batch", max_batch)
     replicas = 1 if mesh is None else dict(mesh.shape).get("data", 1)
     rows = min(max_batch or cfg.max_batch or 16, -(-len(request_lengths) // replicas))
     max_context = min(_round_context(max(request_lengths), cfg.page_size), config.max_context)
     key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows, mesh)
-    key += (decode_weights_in_place,)
     return ENGINE_CACHE.get(
         model,
         key,
@@ -193,6 +182,5 @@ def cached_engine(
             implementation=implementation,
             prefix_cache_rows=prefix_cache_rows,
             mesh=mesh,
-            decode_weights_in_place=decode_weights_in_place,
         ),
     )

@@ -111,7 +111,6 @@ def _step(
     implementation: str,
     sampling_mode: str,
     return_logits: bool,
-    weights_in_place: bool | str = False,
 ) -> StepOutput:
     ok, state = bookkeeping_before(layout, state, inputs.free_a, inputs.shares_a, inputs.free_b)
     reserved, state = reserve(layout, state, inputs.new_tokens)
@@ -140,7 +139,6 @@ def _step(
         attention_fn=attention_fn,
         attention_state=state.pools,
         logits_indices=last,
-        weights_in_place=weights_in_place,
     )  # [B, V]: only each row's last new token is unembedded
     keys = token_keys(inputs.key_data, inputs.token_index)
     next_tokens = sample(
@@ -194,7 +192,6 @@ def step_function(
     sampling_mode: str,
     logits: bool,
     mesh=None,
-    weights_in_place: bool | str = False,
 ):
     """The jitted step with its static arguments bound (state and tables donated); without a
     mesh wrapped in a `swajax._step_cache.CachedStep` (called the same way; exported steps kept
@@ -208,11 +205,7 @@ def step_function(
     tables, previous tokens, inputs and every output hold the dp replicas' arrays concatenated
     along their first axis (`ok` becomes bool[dp]) and the step runs on each replica
     (`swajax._sharding.per_replica`); the parameters are shared.
-
-    weights_in_place: False, or how the model's scanned runs read each layer's matrices in
-    place (`gemma.Transformer.forward`): 'unrolled', or 'grouped' / 'pallas' (one device only).
     """
-    assert weights_in_place in (False, "unrolled") or mesh is None, "grouped needs one device"
     bound = functools.partial(
         _traced_step,
         graphdef=graphdef,
@@ -221,7 +214,6 @@ def step_function(
         implementation=implementation,
         sampling_mode=sampling_mode,
         return_logits=logits,
-        weights_in_place=weights_in_place,
     )
     if mesh is None:
         options = dict(STEP_COMPILER_OPTIONS)
@@ -233,7 +225,6 @@ def step_function(
             implementation,
             sampling_mode,
             logits,
-            weights_in_place,
         ]
         return _step_cache.CachedStep(
             jitted,

@@ -224,7 +224,6 @@ def generate_text(
     max_batch: int | None = None,
     max_num_tokens: int | None = None,
     prefix_cache_rows: int = 0,
-    decode_weights_in_place: bool = False,
 ) -> list[TextOutput] | Iterator[TextChunk]:
     """Generates text for each prompt on the paged KV cache (`swajax.generate` on text).
 
@@ -245,7 +244,7 @@ def generate_text(
         of turn).
       skip_special_tokens: leave special tokens out of the text (default True).
       kv_cache_config, prefill_chunk_size, implementation, max_batch, max_num_tokens,
-        prefix_cache_rows, decode_weights_in_place: as `swajax.generate` (the same kept
+        prefix_cache_rows: as `swajax.generate` (the same kept
         engine serves both).
 
     Returns:
@@ -285,7 +284,6 @@ def generate_text(
         max_batch=max_batch,
         max_num_tokens=max_num_tokens,
         prefix_cache_rows=prefix_cache_rows,
-        decode_weights_in_place=decode_weights_in_place,
     )
     for i, p in enumerate(ids):
         try:

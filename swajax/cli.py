@@ -4,8 +4,7 @@
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--chat] \\
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
-        [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas] \\
-        [--decode-weights-in-place]
+        [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
 
 Input: one JSON object per line, `{"prompt": "..."}` or `{"messages": [{"role": ...,
@@ -406,7 +405,6 @@ def generate_jsonl(
     prefill_chunk_size: int | None = None,
     implementation: str = "auto",
     progress: bool = True,
-    decode_weights_in_place: bool = False,
 ) -> GenerateSummary:
     """Generates a result line for every request of a JSONL file (module docstring).
 
@@ -442,7 +440,6 @@ def generate_jsonl(
         implementation=implementation,
         max_batch=max_batch,
         max_num_tokens=max_num_tokens,
-        decode_weights_in_place=decode_weights_in_place,
     )
     check_requests(input_path, todo, model.config, engine)
     summary.groups = group_names(engine.layout)
@@ -735,12 +732,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int, default=None)
     g.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
     g.add_argument("--no-progress", action="store_true")
-    g.add_argument(
-        "--decode-weights-in-place",
-        action="store_true",
-        help="decode steps unrolled over the layers, reading the weights where they lie "
-        "(faster decode, longer first compile)",
-    )
 
     i = sub.add_parser("info", help="the KV layout and memory plan of a model (no weights)")
     common(i, "bfloat16", 16)
@@ -795,7 +786,6 @@ def run(argv=None) -> GenerateSummary | dict:
         prefill_chunk_size=args.prefill_chunk,
         implementation=args.implementation,
         progress=not args.no_progress,
-        decode_weights_in_place=args.decode_weights_in_place,
     )
     print(summary.line())
     return summary

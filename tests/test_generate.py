@@ -233,28 +233,6 @@ def test_generate_public_entry_point_and_sampling():
     assert all(len(o) == 3 and all(0 <= t < VOCAB for t in o) for o in a)
 
 
-def test_generate_with_decode_weights_in_place():
-    """`generate(decode_weights_in_place=True)`: decode steps unrolled over static slices of
-    the scanned runs' stacks give the dense forward's greedy tokens (Gemma 4: KV sharing and
-    per-layer inputs), from an engine kept apart from the default one's. A non-bool value is
-    a ValueError."""
-    model = make_model("gemma4")
-    assert any(r.scanned for r in model.layer_runs)
-    prompts = prompts_of([37, 9], seed=11)
-    cfg = kv_config(True)
-    kw = dict(kv_cache_config=cfg, prefill_chunk_size=16)
-    got = swajax.generate(model, prompts, 4, decode_weights_in_place=True, **kw)
-    assert got == dense_greedy(model, prompts, 4)
-    engine = swajax._generate.cached_engine(
-        model, [len(p) + 4 for p in prompts], decode_weights_in_place=True, **kw
-    )
-    assert engine.decode_weights_in_place is True
-    default = swajax._generate.cached_engine(model, [len(p) + 4 for p in prompts], **kw)
-    assert default is not engine and default.decode_weights_in_place is False
-    with pytest.raises(ValueError, match="decode_weights_in_place must be True or False"):
-        swajax.generate(model, prompts, 4, decode_weights_in_place="yes", **kw)
-
-
 @pytest.mark.parametrize(
     "prompts, max_new, match",
     [

@@ -23,6 +23,7 @@ from test_generate import _logits_by_token, prompts_of, run_engine, tiny_gemma3,
 import gemma
 import swajax
 from gemma._transformer import _dense_forward
+from pallas_kernels.stacked_matmul import MAX_ROWS
 
 
 def runs_of(config):
@@ -115,41 +116,35 @@ def test_scan_and_unrolled_hold_the_same_parameters(case):
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_scan_matches_unrolled_dense(case):
+    """The dense forward scanned (each product x [M, K] @ the layer's [K, N] in its stack) and
+    unrolled (einsums over the per-layer arrays): logits within 1e-5 (the two forms sum the
+    contracted axes in other orders)."""
     scanned, unrolled = model_pair(case)
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 128, (2, 40)), jnp.int32)
     a, b = np.asarray(scanned(tokens)), np.asarray(unrolled(tokens))
-    chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-5)
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
-@pytest.mark.parametrize(
-    "case, scratch, in_place",
-    [
-        ("gemma3", False, False),
-        ("gemma4_shared_ple", True, False),
-        ("gemma4_shared_ple", False, True),
-        ("gemma4_moe", True, "grouped"),
-    ],
-)
-def test_scan_matches_unrolled_paged(case, scratch, in_place):
-    """Chunked prefill larger than the window, then decode: the same greedy tokens and logits
-    within 1e-6 (1e-5 with the decode steps reading the weights in place: unrolled over static
-    slices, or the grouped matmul, which accumulates in another order), with scratch reuse on
-    and off."""
+@pytest.mark.parametrize("scratch", [True, False], ids=["scratch", "no-scratch"])
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_scan_matches_unrolled_paged(case, scratch):
+    """Chunked prefill larger than the window, then decode, through the paged engine: the
+    scanned model (every matrix read in its stack) gives the unrolled model's greedy tokens and
+    its logits within 1e-5, scratch reuse on and off, for Gemma 3, Gemma 4 with KV sharing and
+    PLE, K=V and MoE."""
     scanned, unrolled = model_pair(case)
     prompts = prompts_of([70, 33, 9], seed=5)
     runs = {}
     for name, model in (("scan", scanned), ("unrolled", unrolled)):
-        engine_kw = dict(decode_weights_in_place=in_place if name == "scan" else False)
         engine, outputs, stats = run_engine(
-            model, prompts, 6, scratch=scratch, chunk=48, collect=True, engine_kw=engine_kw
+            model, prompts, 6, scratch=scratch, chunk=48, collect=True
         )
         assert engine.layout.scratch is scratch
         runs[name] = outputs, _logits_by_token(stats)
     assert runs["scan"][0] == runs["unrolled"][0]
     for key, logits in runs["scan"][1].items():
-        tol = 1e-5 if in_place else 1e-6
-        chex.assert_trees_all_close(logits, runs["unrolled"][1][key], rtol=tol, atol=tol)
+        chex.assert_trees_all_close(logits, runs["unrolled"][1][key], rtol=1e-5, atol=1e-5)
 
 
 def _lowered_step_size(num_layers: int) -> int:
@@ -194,71 +189,45 @@ def test_layer_param_accessors():
         model.layer_param(0, "attn")
 
 
-def _dense_logits(model, tokens, weights_in_place):
+def _dense_logits(model, tokens):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
-    return np.asarray(_dense_forward(model, tokens, positions, None, weights_in_place))
+    return np.asarray(_dense_forward(model, tokens, positions, None))
 
 
-@pytest.mark.parametrize("form", ["unrolled", "grouped"])
-@pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_weights_in_place_matches_unrolled(case, form):
-    """The scanned model reading each layer's matrices in place (`weights_in_place`: unrolled
-    over static slices of the stacks, or the grouped matmul over the whole stack, MoE experts
-    included) gives the per-layer unrolled model's logits."""
-    scanned, unrolled = model_pair(case)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(1, 128, (2, 24)), jnp.int32)
-    got = _dense_logits(scanned, tokens, form)
-    chex.assert_trees_all_close(got, np.asarray(unrolled(tokens)), rtol=1e-5, atol=1e-5)
-
-
-def _sliced_operands(model, tokens, weights_in_place) -> list[tuple]:
-    """Shapes of the stacked matrices (rank >= 3, a run's repetitions leading) that the traced
-    forward slices per layer: scan inputs (`xs`) and dynamic slices inside the scan body."""
-
+def _scan_inputs(model, tokens) -> list[tuple]:
+    """Shapes of one layer's stacked matrix (rank >= 2 after the run's repetitions) that enter
+    a scan body as an input (`xs`): the slices XLA copies every step."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
     graphdef, params = nnx.split(model)
-    stacked = {
-        tuple(a.shape)
-        for a in jax.tree.leaves(params)
-        if a.ndim >= 3 and a.shape[0] in {r.count for r in model.layer_runs if r.scanned}
-    }
-
-    rows = {shape[1:] for shape in stacked}
-
-    def forward(params):
-        return _dense_forward(
-            nnx.merge(graphdef, params), tokens, positions, None, weights_in_place
-        )
-
+    counts = {r.count for r in model.layer_runs if r.scanned}
+    rows = {tuple(a.shape[1:]) for a in jax.tree.leaves(params) if a.ndim >= 3}
+    rows = {r for r in rows if len(r) >= 2}
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":  # a body input of one layer's matrix shape
+            if eqn.primitive.name == "scan":
                 for v in eqn.params["jaxpr"].jaxpr.invars:
                     if tuple(v.aval.shape) in rows:
-                        found.append(("xs", tuple(v.aval.shape)))
-            if eqn.primitive.name == "dynamic_slice":
-                if tuple(eqn.invars[0].aval.shape) in stacked:
-                    found.append(("dynamic_slice", tuple(eqn.invars[0].aval.shape)))
+                        found.append(tuple(v.aval.shape))
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
+    def forward(params):
+        return _dense_forward(nnx.merge(graphdef, params), tokens, positions, None)
+
+    assert counts
     walk(jax.make_jaxpr(forward)(params).jaxpr)
     return found
 
 
-@pytest.mark.parametrize("case", ["gemma4_shared_ple", "gemma4_moe"])
-def test_weights_in_place_slices_no_matrix(case):
-    """The scan slices every stacked dense matrix per layer by default (dynamically: XLA
-    copies each; the experts: `test_experts_are_read_in_the_stack`); in place it slices none
-    dynamically (unrolled: static slices, which XLA fuses
-    into the GEMMs; grouped: the vectors still come sliced)."""
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_scan_takes_no_matrix_as_a_scan_input(case):
+    """No stacked matrix enters the layer scan as a per-layer slice (a scan input, which XLA
+    copies out of the stack every step): the matrices stay in their stacks for the stacked
+    matmul and the MoE's grouped matmul to read; only vectors come sliced."""
     scanned, _ = model_pair(case)
-    tokens = jnp.ones((1, 8), jnp.int32)
-    assert _sliced_operands(scanned, tokens, False)
-    assert _sliced_operands(scanned, tokens, "grouped") == []
-    assert _sliced_operands(scanned, tokens, True) == []
+    assert _scan_inputs(scanned, jnp.ones((1, 8), jnp.int32)) == []
 
 
 def _slices_of(jaxpr, shapes) -> list[tuple]:
@@ -275,43 +244,27 @@ def _slices_of(jaxpr, shapes) -> list[tuple]:
 
 
 @pytest.mark.parametrize("copied", [False, True], ids=["in-place", "copied"])
-@pytest.mark.parametrize("weights_in_place", [True, False], ids=["unrolled", "scan"])
-def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
+def test_experts_are_read_in_the_stack(monkeypatch, copied):
     """The experts' grouped matmul is a custom call: a slice of a stack given to it is a copy
-    of every expert. So, scanned or unrolled, the expert stacks are never scan inputs and stay
-    whole: each grouped matmul gets one layer's E group sizes and that layer's offset in the
-    stack (static unrolled, the scan's counter in the scan; not count x E sizes: the Hopper
-    kernel's work and code grow with the groups it is given). Above
-    `EXPERTS_IN_PLACE_MAX_ROWS` token copies the layer's experts are sliced out instead (one
-    [E, K, N] operand, no offset). The dense matrices: static slices unrolled (fused into their
-    GEMMs), scan inputs in the scan."""
+    of every expert. So the expert stacks are never scan inputs and stay whole: each grouped
+    matmul gets one layer's E group sizes and that layer's offset in the stack (the scan's
+    counter; not count x E sizes: the Hopper kernel's work and code grow with the groups it is
+    given). Above `EXPERTS_IN_PLACE_MAX_ROWS` token copies the layer's experts are sliced out
+    instead (one [E, K, N] operand, no offset)."""
     import gemma._layers
 
     scanned, _ = model_pair("gemma4_moe")
     config = scanned.config
     tokens = jnp.ones((1, 8), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
-    # 8 tokens x top 2 = 16 token copies per grouped matmul
-    gemma.set_experts_in_place_max_rows(scanned, 15 if copied else 16)
-    try:
-        graphdef, params = nnx.split(scanned)
-        sliced = _sliced_operands(scanned, tokens, weights_in_place)
-        scan_inputs = [s for kind, s in sliced if kind == "xs"]  # one layer's shapes
-    finally:  # the model is shared with other tests
-        gemma.set_experts_in_place_max_rows(scanned, gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS)
+    graphdef, params = nnx.split(scanned)
     leaves = jax.tree_util.tree_leaves_with_path(params)
-
-    def shapes(pattern):
-        return {tuple(a.shape) for p, a in leaves if re.search(pattern, jax.tree_util.keystr(p))}
-
     expert_pattern = r"\['moe'\]\['(gate|up|down)_proj'\]"
-    others = {
-        tuple(a.shape) for p, a in leaves if not re.search(expert_pattern, jax.tree_util.keystr(p))
+    experts = {
+        tuple(a.shape) for p, a in leaves if re.search(expert_pattern, jax.tree_util.keystr(p))
     }
-    # The stacks (a run's repetitions leading) of shapes no other parameter has.
-    experts = {s for s in shapes(expert_pattern) - others if len(s) == 4}
-    dense = {s for s in shapes(r"\['mlp'\]\['(gate|up|down)_proj'\]") if s[0] > 1}
-    assert experts and dense and not experts & dense
+    experts = {s for s in experts if len(s) == 4}
+    assert experts
 
     calls = []
     grouped_matmul = gemma._layers.grouped_matmul
@@ -324,32 +277,29 @@ def test_experts_are_read_in_the_stack(monkeypatch, weights_in_place, copied):
         return grouped_matmul(lhs, rhs, group_sizes, **kw)
 
     monkeypatch.setattr(gemma._layers, "grouped_matmul", recording)
+    # 8 tokens x top 2 = 16 token copies per grouped matmul
+    gemma.set_experts_in_place_max_rows(scanned, 15 if copied else 16)
+    try:
+        graphdef = nnx.split(scanned)[0]
 
-    def forward(params):  # traced anew (a jitted forward may hold an earlier test's trace)
-        model = nnx.merge(graphdef, params)
-        logits, _ = model.forward(
-            tokens,
-            positions,
-            attention_fn=gemma.dense_attention_fn(config.layer_specs),
-            attention_state=gemma.DenseAttentionState(positions=positions, segment_ids=None),
-            weights_in_place=weights_in_place,
-        )
-        return logits
+        def forward(params):  # traced anew (a jitted forward may hold an earlier test's trace)
+            model = nnx.merge(graphdef, params)
+            logits, _ = model.forward(
+                tokens,
+                positions,
+                attention_fn=gemma.dense_attention_fn(config.layer_specs),
+                attention_state=gemma.DenseAttentionState(positions=positions, segment_ids=None),
+            )
+            return logits
 
-    jaxpr = jax.make_jaxpr(forward)(params).jaxpr
+        jaxpr = jax.make_jaxpr(forward)(params).jaxpr
+    finally:  # the model is shared with other tests
+        gemma.set_experts_in_place_max_rows(scanned, gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS)
     e = config.num_experts
     assert any(run.count > 1 for run in scanned.layer_runs)  # offsets past the first layer
-    if weights_in_place:  # unrolled: every repetition traced, static offsets
-        reps = [(run, [c * e for c in range(run.count)]) for run in scanned.layer_runs]
-        assert _slices_of(jaxpr, dense)  # the dense MLP's stacks: static slices
-    else:  # one scan body per run, at the scan's counter
-        reps = [(run, ["traced"] if run.count > 1 else [None]) for run in scanned.layer_runs]
-        assert scan_inputs  # the dense matrices
-        assert not [s for s in scan_inputs if s in {e[1:] for e in experts}]
     want = [
-        (e, e, None) if run.count == 1 or copied else (run.count * e, e, offset)
-        for run, offsets in reps
-        for offset in offsets
+        (e, e, None) if run.count == 1 or copied else (run.count * e, e, "traced")
+        for run in scanned.layer_runs
         for _ in range(run.period)
         for _ in range(3)
     ]
@@ -373,20 +323,25 @@ def test_experts_in_place_bound_is_checked_and_keys_the_step():
     assert moes and all(m.in_place_max_rows == 0 for m in moes)
 
 
-def test_tensor_parallel_view_copies_experts_out_and_shares_the_arrays():
-    """`Transformer.for_tensor_parallel(tp)`, what an engine on a mesh runs: with tp > 1 its
-    MoE layers copy each layer's experts out of the stack (a kernel given the whole sharded
-    stack would have it gathered whole), the same arrays, the model itself untouched; tp = 1
-    or no MoE: the model itself."""
+def test_tensor_parallel_view_slices_every_matrix_and_shares_the_arrays():
+    """`Transformer.for_tensor_parallel(tp)`, what an engine on a mesh runs: with tp > 1 every
+    scanned product multiplies by its layer's slice (`in_place_max_rows` 0, the MoE layers'
+    bound 0: a Pallas kernel given a whole sharded stack would have it gathered whole), the
+    same arrays, the model itself untouched; tp = 1: the model itself."""
     moe, _ = model_pair("gemma4_moe")
     dense, _ = model_pair("gemma3")
-    assert moe.for_tensor_parallel(1) is moe and dense.for_tensor_parallel(4) is dense
-    view = moe.for_tensor_parallel(2)
+    assert moe.for_tensor_parallel(1) is moe and dense.for_tensor_parallel(1) is dense
+    for model in (moe, dense):
+        view = model.for_tensor_parallel(2)
+        assert view.in_place_max_rows == 0
+        assert model.in_place_max_rows == MAX_ROWS
+        leaves = zip(
+            jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(view)), strict=True
+        )
+        assert all(a is b for a, b in leaves)
     default = gemma._layers.EXPERTS_IN_PLACE_MAX_ROWS
     bounds = lambda m: {b.moe.in_place_max_rows for bs in m.blocks for b in bs}  # noqa: E731
-    assert bounds(view) == {0} and bounds(moe) == {default}
-    for a, b in zip(jax.tree.leaves(nnx.state(moe)), jax.tree.leaves(nnx.state(view)), strict=True):
-        assert a is b
+    assert bounds(moe.for_tensor_parallel(2)) == {0} and bounds(moe) == {default}
 
 
 def _moe_kernel_model(scan: bool):
@@ -423,7 +378,7 @@ def test_scanned_experts_in_place_run_the_tile_kernel_in_interpret_mode():
     assert [(r.count, r.scanned) for r in scanned.layer_runs] == [(3, True)]
     tokens = jnp.asarray(np.random.default_rng(3).integers(1, 128, (1, 12)), jnp.int32)
     with _checks.force_interpret():
-        got = _dense_logits(scanned, tokens, False)
+        got = _dense_logits(scanned, tokens)
     want = np.asarray(unrolled(tokens))
     assert np.isfinite(got).all()
     # logits of magnitude ~0.6; a wrong offset (layer 0's experts throughout) is off by ~0.5
@@ -431,97 +386,88 @@ def test_scanned_experts_in_place_run_the_tile_kernel_in_interpret_mode():
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
-def test_decode_weights_in_place_is_checked():
-    scanned, _ = model_pair("gemma3")
-    with pytest.raises(ValueError, match="decode_weights_in_place must be True, False or"):
-        run_engine(
-            scanned,
-            prompts_of([9]),
-            2,
-            scratch=False,
-            chunk=16,
-            engine_kw=dict(decode_weights_in_place=1),
-        )
-    with pytest.raises(ValueError, match="needs mesh=None"):
-        run_engine(
-            scanned,
-            prompts_of([9]),
-            2,
-            scratch=False,
-            chunk=16,
-            engine_kw=dict(decode_weights_in_place="grouped", mesh=jax.make_mesh((1,), ("model",))),
-        )
+def _kernel_model(scan: bool):
+    """A small Gemma 4 in bf16 (KV sharing and PLE) whose matrices the stacked matmul takes
+    (K and N multiples of 64) in scanned runs of several repetitions."""
+    config = tiny_gemma4(
+        hidden_size=128, intermediate_size=256, num_heads=2, head_dim=64, global_head_dim=64
+    )
+    model = gemma.Transformer(
+        config, rngs=nnx.Rngs(6), scan_layers=scan, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+    )
+    gemma.set_unit_size_attention_logits(model)
+    return model
 
 
-def _stacked_products(name: str) -> set[tuple[int, int, int]]:
-    """(groups, K, N) of every in-place product of preset `name` at full size: each scanned
-    run's stacked matrices as `linear` and the MoE experts multiply by them."""
-    from gemma._checkpoint import abstract_model
-
-    model = abstract_model(gemma.configs.preset(name), jnp.bfloat16)
-    products = set()
-    for run, blocks in zip(model.layer_runs, model.blocks, strict=True):
-        if not run.scanned:
-            continue
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(blocks)):
-            shape, keys = leaf.shape, [str(getattr(k, "key", k)) for k in path]
-            if len(shape) < 3:
-                continue
-            if "moe" in keys and len(shape) == 4:  # experts [R, E, K, N]
-                products.add((shape[0] * shape[1], shape[2], shape[3]))
-            elif "o_proj" in keys:  # [R, N, H, D]
-                products.add((shape[0], shape[1] * shape[2], shape[3]))
-            elif len(shape) == 4:  # q/k/v [R, D, N, H]
-                products.add((shape[0], shape[1], shape[2] * shape[3]))
-            else:
-                products.add(shape)
-    return products
-
-
-STACKED_PRODUCTS = sorted(set().union(*map(_stacked_products, gemma.configs.PRESET_NAMES)))
-
-
-def test_stacked_matmul_lowers_for_cuda_at_preset_geometries():
-    """Every preset's in-place product at full size lowers for CUDA through the grouped
-    matmul's Mosaic kernel (TMA boxes, shared memory), at a decode step's rows; products the
-    kernel does not take fall back to the slice, as `in_place_implementation` says."""
-    from gemma._layers import in_place_implementation, stacked_matmul
+def test_scanned_decode_runs_the_stacked_kernel_in_interpret_mode():
+    """The paged engine's decode steps with every scanned matrix read in its stack by the
+    stacked matmul kernel (GPU interpret mode, race detection on, the layer the scan's
+    counter), against the unrolled model on XLA's dots: the same greedy tokens, logits within
+    bf16 rounding (a wrong layer's matrix is off by O(1))."""
     from pallas_kernels import _checks
 
-    # One lowering per (K, N) at its largest group count: the groups size only group_sizes.
-    largest = {}
-    for g, k, n in STACKED_PRODUCTS:
-        largest[k, n] = max(g, largest.get((k, n), 0))
-    assert len(largest) > 10
-    kernels = 0
-    for (k, n), g in sorted(largest.items()):
-        impl = in_place_implementation(jnp.bfloat16, k, n, "pallas")
-        sds = jax.ShapeDtypeStruct
-        args = (sds((8, k), jnp.bfloat16), sds((g, k, n), jnp.bfloat16), sds((), jnp.int32))
-        f = jax.jit(lambda x, w, i, impl=impl: stacked_matmul(x, w, i, impl))
-        with _checks.force_compiled():
-            text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("mosaic_gpu" in text) == (impl == "pallas"), (g, k, n)
-        kernels += impl == "pallas"
-    assert kernels == len(largest)  # every preset product takes the kernel
+    scanned, unrolled = _kernel_model(True), _kernel_model(False)
+    assert any(r.scanned and r.count > 1 for r in scanned.layer_runs)
+    prompts = prompts_of([20, 9], seed=7)
+    with _checks.force_interpret():
+        _, got, got_stats = run_engine(scanned, prompts, 3, scratch=True, chunk=32, collect=True)
+    _, want, want_stats = run_engine(unrolled, prompts, 3, scratch=True, chunk=32, collect=True)
+    assert got == want
+    want_logits = _logits_by_token(want_stats)
+    for key, logits in _logits_by_token(got_stats).items():
+        np.testing.assert_allclose(logits, want_logits[key], rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8, 32])
-def test_stacked_matmul_reads_one_row_on_gpu(rows):
-    """The in-place product of every preset geometry against a float64 oracle, the stack's
-    other rows NaN: the kernel must read layer `index` only."""
-    from gemma._layers import stacked_matmul
+def _stacks(model) -> set[str]:
+    """The stacked matrices' shapes as StableHLO tensor types ('8x3840x15360xbf16')."""
+    return {
+        "x".join(map(str, a.shape)) + "x" + str(a.dtype)
+        for a in jax.tree.leaves(nnx.state(model))
+        if a.ndim >= 3 and a.shape[0] in {r.count for r in model.layer_runs if r.scanned}
+    }
 
-    rng = np.random.default_rng(rows)
-    for g, k, n in STACKED_PRODUCTS:
-        index = int(rng.integers(g))
-        x = jnp.asarray(rng.standard_normal((rows, k)) / np.sqrt(k), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-        stack = jnp.full((g, k, n), jnp.nan, jnp.bfloat16).at[index].set(w)
-        got = jax.jit(lambda x, s, i: stacked_matmul(x, s, i, "pallas"))(x, stack, index)
-        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-        got = np.asarray(got, np.float64)
-        assert np.isfinite(got).all(), (g, k, n)
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-        del stack
+
+@pytest.mark.parametrize("name", gemma.configs.PRESET_NAMES)
+def test_full_size_decode_reads_every_matrix_in_its_stack(name):
+    """Every preset at full size (abstract weights), its 8-row decode forward lowered for CUDA
+    on the CPU: the stacked matmul kernel multiplies every scanned layer's matrices (one
+    Mosaic kernel per dense matrix of the run's period) and no stacked matrix is sliced
+    (`dynamic_slice` of a stack: a copy of the weights every step) anywhere in the step."""
+    from gemma._checkpoint import abstract_model
+    from pallas_kernels import _checks
+
+    config = gemma.configs.preset(name)
+    model = abstract_model(config, jnp.bfloat16)
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+
+    def forward(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), tokens.shape)
+        logits, _ = nnx.merge(graphdef, params).forward(
+            tokens,
+            positions,
+            attention_fn=gemma.dense_attention_fn(config.layer_specs),
+            attention_state=gemma.DenseAttentionState(positions=positions, segment_ids=None),
+        )
+        return logits
+
+    with _checks.force_compiled():
+        text = jax.jit(forward).trace(params, tokens).lower(lowering_platforms=("cuda",))
+        text = text.as_text()
+    stacks = _stacks(model)
+    assert stacks
+    sliced = [
+        line
+        for line in text.splitlines()
+        if "dynamic_slice" in line and any(f"tensor<{s}>" in line.split("->")[0] for s in stacks)
+    ]
+    assert not sliced, sliced[:3]
+    # one kernel per dense matrix of every scanned run's period, in the lowered program once
+    dense = 0
+    for run, blocks in zip(model.layer_runs, model.blocks, strict=True):
+        if run.scanned:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(blocks)):
+                keys = [str(getattr(p, "key", p)) for p in path]
+                dense += leaf.ndim >= 3 and not ("moe" in keys and leaf.ndim == 4)
+    kernels = text.count("pallas_kernels/stacked_matmul.py")
+    assert kernels >= dense, (kernels, dense)

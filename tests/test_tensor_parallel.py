@@ -312,21 +312,6 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
     _check_device_bytes(reference, engine, tp)
 
 
-@needs_mesh
-def test_in_place_decode_on_a_mesh_equals_one_device():
-    """Decode steps reading the weights in place (unrolled over static slices; the MoE experts
-    sliced per layer on a mesh, `Transformer.for_tensor_parallel`) on a tp = 2 mesh: the
-    one-device scanned engine's tokens and logits, preemptions included."""
-    slots, expected, expected_logits, _ = one_device("gemma4", True)
-    model = make_model("gemma4")
-    engine = _engine(model, True, mesh=mesh_of(1, 2), slots=slots, decode_weights_in_place=True)
-    outputs, logits, stats = _run(engine)
-    assert outputs == expected and logits.keys() == expected_logits.keys()
-    for key, value in logits.items():
-        np.testing.assert_allclose(value, expected_logits[key], rtol=1e-5, atol=1e-5)
-    assert stats.preemptions > 0 and engine.trace_count == 2
-
-
 def _check_device_bytes(reference, engine, tp):
     """Per device: the parameters as the rule says (about 1/tp of one device's: presets in
     `test_partition_rule_on_every_preset`; at these widths the replicated norms and K / V

@@ -248,24 +248,6 @@ def test_cli_round_trip(tiny, reference_run):
     assert "peak KV slots sliding(64)" in summary.line() and "preemptions 0" in summary.line()
 
 
-def test_cli_decode_weights_in_place(tiny, reference_run, tmp_path):
-    """`generate --decode-weights-in-place` (the tiny model's scanned run unrolled in its
-    decode steps) writes the greedy lines of the default engine's run."""
-    tmp, data, _ = reference_run
-    out = tmp_path / "o.jsonl"
-    argv = ["generate", "--model", str(TINY), "--input", str(tmp / "in.jsonl")]
-    argv += ["--output", str(out), "--max-new-tokens", str(NEW), "--chat", "--no-progress"]
-    argv += ["--page-size", "16", "--implementation", "reference", "--max-num-tokens", "64"]
-    argv += ["--max-batch", "4", "--dtype", "float32", "--decode-weights-in-place"]
-    assert cli.main(argv) == 0
-    assert swajax._generate.ENGINE_CACHE.engine.decode_weights_in_place is True
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = [json.loads(line) for line in data.decode().splitlines()]
-    assert [r["id"] for r in rows] == [r["id"] for r in expected]
-    for i in (0, 1, 3, 5):  # the greedy lines (LINES 0, 1, 4, 6)
-        assert rows[i] == expected[i]
-
-
 def test_cli_resume_after_an_interrupt_writes_nothing_twice(tiny, reference_run, monkeypatch):
     tmp, expected, _ = reference_run
     _write_lines(tmp / "in.jsonl", LINES)
