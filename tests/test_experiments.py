@@ -363,15 +363,10 @@ def test_bench_cold_start_lowering_with_the_step_cache():
     lowered for CUDA embeds every Mosaic GPU kernel the plain lowering has."""
     bench = _load("bench_cold_start")
     rec = bench.lowering_record("gemma3_1b")
-    assert [(v["decode"], v["in_place"]) for v in rec["variants"]] == [
-        (False, False),
-        (True, False),
-        (True, True),
-    ]
-    # in place, the decode step's layers are unrolled: no loop left, a longer program
-    scanned, unrolled = rec["variants"][1:]
-    assert scanned["while_loops"] > 0 and unrolled["while_loops"] == 0
-    assert unrolled["lowered_chars"] > scanned["lowered_chars"]
+    assert [v["decode"] for v in rec["variants"]] == [False, True]
+    # the decode step keeps the layer scan (a loop) and reads the matrices with the kernel
+    decode = rec["variants"][1]
+    assert decode["while_loops"] > 0
     for v in rec["variants"]:
         assert v["mosaic_kernels_plain"] > 0
         assert v["mosaic_kernels_cached"] == v["mosaic_kernels_plain"]

@@ -1,0 +1,128 @@
+"""`EngineConfig`: every setting of an engine, validated once (frozen, hashable).
+
+`Engine`, `generate`, `generate_text`, the JSONL runner, the CLI and the experiments all take or
+build one, so they cannot drift apart. Fields left None take their defaults when an engine
+resolves the config against its model (`EngineConfig.resolved`): max_context the model's,
+max_batch `kv_cache.max_batch` or 16, max_num_tokens `kv_cache.max_num_tokens` or 8192,
+prefill_chunk_size `kv_cache.chunk_size` or max_num_tokens, min_prefill_bucket max_num_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from swajax import _validate
+from swajax._config import KVCacheConfig
+
+DEFAULT_MAX_BATCH = 16
+DEFAULT_MAX_NUM_TOKENS = 8192
+IMPLEMENTATIONS = ("auto", "reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The settings of an `Engine`.
+
+    Attributes:
+      kv_cache: the KV cache (page size, byte quota, pool ratio, scratch policy, dtype).
+      max_context: longest sequence served (prompt + new tokens); None: the model's.
+      max_batch: rows served at once per replica.
+      max_num_tokens: token budget of one step: decode rows take one token each, prefill
+        chunks fill the rest.
+      prefill_chunk_size: most prompt tokens of one row in one step; it also bounds a row's
+        scratch range.
+      implementation: attention kernels, "auto" (Pallas on a Hopper GPU), "reference" or
+        "pallas".
+      min_prefill_bucket: smallest token axis of a step with prefill rows; such steps are padded
+        to powers of two from here up to max_num_tokens (the default compiles one variant).
+      prefix_cache_rows: extra rows that park prompt prefixes and finished histories for reuse
+        (0: no prefix cache; `swajax._prefix_cache`).
+      admission_headroom: fraction of each group's slots an admission leaves free for the
+        running rows to grow.
+      batch_invariant: a step holds decode rows only or prefill rows only, and prefill steps
+        always have max_num_tokens tokens, so that a row's numbers (and greedy tokens) do not
+        depend on what else runs (see `swajax._scheduler`).
+      mesh: a `jax.sharding.Mesh` with an axis "model" (tensor parallelism) and optionally
+        "data" (replicas, each with its own pool); None: one device.
+      precompile: compile the greedy steps at construction (in threads).
+    """
+
+    kv_cache: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
+    max_context: int | None = None
+    max_batch: int | None = None
+    max_num_tokens: int | None = None
+    prefill_chunk_size: int | None = None
+    implementation: str = "auto"
+    min_prefill_bucket: int | None = None
+    prefix_cache_rows: int = 0
+    admission_headroom: float = 0.01
+    batch_invariant: bool = False
+    mesh: object = None
+    precompile: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.kv_cache, KVCacheConfig):
+            raise ValueError(
+                f"kv_cache must be a KVCacheConfig, got {type(self.kv_cache).__name__}"
+            )
+        for name in ("max_context", "max_batch", "max_num_tokens", "prefill_chunk_size"):
+            if getattr(self, name) is not None:
+                _validate.positive_int(name, getattr(self, name))
+        if self.min_prefill_bucket is not None:
+            _validate.positive_int("min_prefill_bucket", self.min_prefill_bucket)
+        _validate.positive_int("prefix_cache_rows", self.prefix_cache_rows, minimum=0)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+        h = self.admission_headroom
+        if isinstance(h, bool) or not isinstance(h, float | int) or not 0 <= h < 1:
+            raise ValueError(f"admission_headroom must be in [0, 1), got {h!r}")
+        for name in ("batch_invariant", "precompile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.batch_invariant and self.min_prefill_bucket not in (None, self.max_num_tokens):
+            raise ValueError(
+                "batch_invariant=True runs every prefill step at max_num_tokens tokens, so "
+                "min_prefill_bucket must equal max_num_tokens (or be left unset), got "
+                f"min_prefill_bucket={self.min_prefill_bucket}"
+            )
+
+    @classmethod
+    def of(cls, config=None, **fields) -> EngineConfig:
+        """An EngineConfig from `config` (an EngineConfig, a KVCacheConfig for `kv_cache`, or
+        None) with `fields` replaced; ValueError for a field it does not have."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"unknown engine settings {unknown}; the settings are {sorted(names)}")
+        if config is None:
+            return cls(**fields)
+        if isinstance(config, KVCacheConfig):
+            return cls(kv_cache=config, **fields)
+        if isinstance(config, EngineConfig):
+            return dataclasses.replace(config, **fields) if fields else config
+        raise ValueError(
+            f"config must be an EngineConfig or a KVCacheConfig, got {type(config).__name__}"
+        )
+
+    def resolved(self, model_max_context: int) -> EngineConfig:
+        """Every None filled in for a model of `model_max_context` tokens; ValueError for a
+        max_context beyond it."""
+        cfg = self.kv_cache
+        max_context = self.max_context or model_max_context
+        if max_context > model_max_context:
+            raise ValueError(
+                f"max_context={max_context} exceeds the model's context of {model_max_context}"
+            )
+        tokens = self.max_num_tokens or cfg.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
+        chunk = min(self.prefill_chunk_size or cfg.chunk_size or tokens, max_context)
+        bucket = min(self.min_prefill_bucket or tokens, tokens)
+        return dataclasses.replace(
+            self,
+            max_context=max_context,
+            max_batch=self.max_batch or cfg.max_batch or DEFAULT_MAX_BATCH,
+            max_num_tokens=tokens,
+            prefill_chunk_size=chunk,
+            min_prefill_bucket=bucket,
+        )
