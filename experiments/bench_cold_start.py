@@ -177,6 +177,7 @@ def lowering_record(preset: str) -> dict:
     import gemma
     import swajax
     from pallas_kernels import _checks
+    from swajax._model_runner import StepShape
 
     config = gemma.configs.small_preset(preset, num_layers=gemma.configs.preset(preset).num_layers)
     model = gemma.Transformer(
@@ -194,8 +195,8 @@ def lowering_record(preset: str) -> dict:
     rec = dict(kind="lowering", preset=preset, num_layers=config.num_layers, variants=[])
     decode_bucket = engine.step_buckets()[0][0]
     for num_tokens, decode in ((8192, False), (decode_bucket, True)):
-        step = engine._step_function(decode, False, "greedy")
-        args = engine._step_args(num_tokens)
+        step = engine.runner._step_function(StepShape(num_tokens, decode, False, "greedy"))
+        args = engine.runner.step_args(num_tokens)
         with _checks.force_compiled():
             t0 = time.perf_counter()
             plain = step.jitted.trace(*args).lower(lowering_platforms=("cuda",))

@@ -10,8 +10,8 @@ engine's `Scheduler` and `SlotLedger` at a preset's full-size layout (the reprod
 pinned_8k split, `experiments/swa_scratch_throughput.py`, with room for every row), `rows`
 requests of `--input` prompt tokens prefilled, then `--steps` decode steps, each timed through
 the three host stages of `Engine.step`: `schedule` (plan and ledger), `step_inputs` (the
-step's NumPy inputs) and `on_sampled` (the tokens read back). The jit dispatch and the device
-are not included.
+step's NumPy inputs) and `update_from_output` (the tokens read back). The jit dispatch and
+the device are not included.
 
 Writes experiments/results/host_step_cpu.json (device, versions, git commit, parameters;
 `records`: preset, scratch, rows, median / p90 microseconds per decode step per stage, of the
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-STAGES = ("schedule", "step_inputs", "on_sampled")
+STAGES = ("schedule", "step_inputs", "update_from_output")
 
 
 def layout_for(preset: str, scratch: bool, rows: int, input_len: int, steps: int):
@@ -97,7 +97,7 @@ def measure(preset: str, scratch: bool, rows: int, input_len: int, steps: int) -
             sampling=lambda r: r.sampling.row_values(),
         )
         t2 = time.perf_counter()
-        sched.on_sampled(plan, tokens)
+        sched.update_from_output(plan, tokens)
         t3 = time.perf_counter()
         if plan.decode_only:
             decode.append((len(plan.new_tokens), (t1 - t0, t2 - t1, t3 - t2)))

@@ -26,7 +26,8 @@ import tempfile
 
 import gemma
 import swajax
-import swajax.cli
+import swajax.jsonl
+import swajax.plan
 
 INTERACTIVE = "ipykernel" in sys.modules or hasattr(sys, "ps1")
 if not INTERACTIVE:
@@ -64,7 +65,7 @@ print(model.config.family, f"{model.num_params:,} parameters;", tokenizer)
 # ## 2. Batch generation from a JSONL file
 #
 # One request per line, `{"prompt": ...}` or `{"messages": [...]}`, with an optional `"id"`,
-# `"max_new_tokens"` and sampling fields. `swajax.cli.generate_jsonl` is the function behind
+# `"max_new_tokens"` and sampling fields. `swajax.jsonl.generate_jsonl` is the function behind
 #
 #     python -m swajax generate --model experiments/tiny_model --input prompts.jsonl \
 #         --output out.jsonl --chat --max-new-tokens 32 --kv-cap 573440 --page-size 16
@@ -99,7 +100,7 @@ ENGINE = dict(kv_cache_config=KV, max_batch=8, max_num_tokens=512, prefill_chunk
 
 
 def generate_file(name, **settings):
-    summary = swajax.cli.generate_jsonl(
+    summary = swajax.jsonl.generate_jsonl(
         model,
         tokenizer,
         prompts_file,
@@ -192,7 +193,7 @@ else:
 # `jax.eval_shape` and the KV pool from the layout alone: nothing is allocated.
 
 # %%
-plan = swajax.cli.memory_plan(
+plan = swajax.plan.memory_plan(
     gemma.configs.gemma4_e2b(), swajax.KVCacheConfig(max_gpu_total_bytes=8 << 30)
 )
-print(swajax.cli.format_plan(plan, "preset:gemma4_e2b"))
+print(swajax.plan.format_plan(plan, "preset:gemma4_e2b"))

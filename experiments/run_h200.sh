@@ -57,15 +57,8 @@ for stage in "$@"; do
     moe)  # one MoE layer's decode products: experts read in the stack vs copied out of it
       run moe "${STAGE_LIMIT_moe:-240}" python3 experiments/bench_moe.py \
         --out "$OUT/moe_decode_h200.json" ;;
-    probe-ledger)  # PROBE_PRESET=gemma4_31b PROBE_VARIANTS=pallas,ref-attention
-      run probe-ledger "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_ledger.py \
-        --preset "${PROBE_PRESET:-gemma4_31b}" --variants "${PROBE_VARIANTS:-pallas}" \
-        ${PROBE_DUMP_HLO:+--dump-hlo} --out "$OUT/probe_ledger.json" ;;
-    probe-scan)  # the layer scan's weight copies: every form of a 12B-sized decode stack
-      run probe-scan "${STAGE_LIMIT_probe:-300}" python3 experiments/probe_layer_scan.py \
-        --out "$OUT/probe_layer_scan_h200.json" ;;
     step-cache)  # the step cache on the GPU: plain / cold / warm processes, same tokens
-      run step-cache "${STAGE_LIMIT_step_cache:-300}" python3 experiments/probe_step_cache.py \
+      run step-cache "${STAGE_LIMIT_step_cache:-300}" python3 experiments/probes/probe_step_cache.py \
         --preset "${PROBE_PRESET:-gemma4_e2b}" --out "$OUT/step_cache_h200.json" ;;
     cold)  # COLD_ARGS="" (no decode figures), default --decode
       run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py ${COLD_ARGS---decode} \

@@ -419,7 +419,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         prefill_seconds += 0.0 if plan.decode_only else t
         concurrent.append(len(plan.new_tokens))
         used.append(plan.used)
-        sched.on_sampled(plan, dict.fromkeys(plan.samples, 0))
+        sched.update_from_output(plan, dict.fromkeys(plan.samples, 0))
     total = sum(len(p) for p in prompts) + params.requests * params.output_len
     return dict(
         steps=steps,

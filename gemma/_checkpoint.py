@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -475,7 +476,31 @@ def from_pretrained(
         if isinstance(v, jax.ShapeDtypeStruct)
     ]
     assert not leftover, f"parameters not loaded: {leftover}"
+    warn_non_finite(model, str(directory))
     return _for_mesh(model, mesh)
+
+
+def non_finite_parameters(model: Transformer) -> list[str]:
+    """The paths of the model's arrays that hold a NaN or an Inf (checked on their devices)."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    finite = jax.device_get(
+        [jnp.all(jnp.isfinite(v)) for _, v in leaves if jnp.issubdtype(v.dtype, jnp.floating)]
+    )
+    paths = [jax.tree_util.keystr(k) for k, v in leaves if jnp.issubdtype(v.dtype, jnp.floating)]
+    return [p for p, ok in zip(paths, finite, strict=True) if not ok]
+
+
+def warn_non_finite(model: Transformer, source: str) -> None:
+    """A warning naming the arrays loaded from `source` that hold NaN or Inf: the engine would
+    then end the requests they touch with finish_reason "error"."""
+    bad = non_finite_parameters(model)
+    if bad:
+        warnings.warn(
+            f"{len(bad)} parameter arrays loaded from {source!r} hold NaN or Inf: "
+            f"{bad[:8]}{' ...' if len(bad) > 8 else ''}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _for_mesh(model: Transformer, mesh) -> Transformer:
@@ -762,7 +787,9 @@ def restore_params(
             state = checkpointer.restore(path, args)[_PARAMS_ITEM]
     except Exception as e:  # Orbax re-raises tensorstore read errors as a bare Exception
         raise ValueError(f"cannot read the Orbax checkpoint data in {params_dir!r}: {e}") from e
-    return _for_mesh(nnx.merge(graphdef, state), mesh)
+    model = nnx.merge(graphdef, state)
+    warn_non_finite(model, path)
+    return _for_mesh(model, mesh)
 
 
 def _saved_scan_layers(path: str, config: TransformerConfig) -> bool:

@@ -81,12 +81,6 @@ class EngineConfig:
         for name in ("batch_invariant", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.batch_invariant and self.min_prefill_bucket not in (None, self.max_num_tokens):
-            raise ValueError(
-                "batch_invariant=True runs every prefill step at max_num_tokens tokens, so "
-                "min_prefill_bucket must equal max_num_tokens (or be left unset), got "
-                f"min_prefill_bucket={self.min_prefill_bucket}"
-            )
 
     @classmethod
     def of(cls, config=None, **fields) -> EngineConfig:
@@ -117,6 +111,12 @@ class EngineConfig:
             )
         tokens = self.max_num_tokens or cfg.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
         chunk = min(self.prefill_chunk_size or cfg.chunk_size or tokens, max_context)
+        if self.batch_invariant and self.min_prefill_bucket not in (None, tokens):
+            raise ValueError(
+                f"batch_invariant=True runs every prefill step at max_num_tokens={tokens} "
+                "tokens, so min_prefill_bucket must equal it (or be left unset), got "
+                f"min_prefill_bucket={self.min_prefill_bucket}"
+            )
         bucket = min(self.min_prefill_bucket or tokens, tokens)
         return dataclasses.replace(
             self,

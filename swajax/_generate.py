@@ -51,10 +51,10 @@ class _EngineCache:
             fresh = self.model is not None and self.model() is model and self.key == key
             fresh = fresh and graphdef == self.graphdef
             e = self.engine
-            if fresh and e.layout.max_context >= max_context and e.serving_rows >= rows:
+            if fresh and e.layout.max_context >= max_context and e.config.max_batch >= rows:
                 leaves = jax.tree.leaves(state)
                 if any(a is not b for a, b in zip(leaves, self.leaves, strict=True)):
-                    if e.mesh is not None:  # the engine's shardings, as at its construction
+                    if e.config.mesh is not None:  # the engine's shardings, as at its construction
                         state = jax.device_put(state, jax.tree.map(lambda a: a.sharding, e.params))
                     e.params = state
                     self.leaves = leaves

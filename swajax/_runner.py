@@ -75,6 +75,7 @@ class StepOutput(NamedTuple):
     next_tokens: jax.Array  # i32[B] token drawn for each row (meaningful for sampling rows)
     ok: jax.Array  # bool[]: reserve and every real share succeeded
     used: jax.Array  # i32[G] slots held after the reserve (the step's peak)
+    finite: jax.Array  # bool[B]: every logit of the row's last new token is finite
     logits: jax.Array | None  # f32[B, V] of each row's last new token, if asked for
 
 
@@ -149,13 +150,16 @@ def _step(
         top_p=inputs.top_p,
         mode=sampling_mode,
     )
+    # A row whose logits hold NaN or Inf (broken weights, an overflow) is flagged, never
+    # silently turned into a token: read with the tokens, no extra host sync.
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = _shares(layout, state, inputs.shares_b)
     # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are
     # small and rebuilt every step, so none are carried (the next step gets None again).
     carried = tables if layout.page_table_mode == "per_layer" else None
     return StepOutput(
-        state, carried, next_tokens, ok & shared, used, logits if return_logits else None
+        state, carried, next_tokens, ok & shared, used, finite, logits if return_logits else None
     )
 
 
@@ -237,6 +241,7 @@ def step_function(
     out_shardings = StepOutput(
         _sharding.state_shardings(layout, mesh),
         _sharding.table_shardings(layout, mesh),
+        replica,
         replica,
         replica,
         replica,
@@ -331,3 +336,16 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: 
         top_k,
         top_p,
     )
+
+
+def step_input_shapes(*, num_tokens: int, max_batch: int, max_shares: int) -> StepInputs:
+    """The `StepInputs` of a step shape as `jax.ShapeDtypeStruct`s (for lowering)."""
+    empty = StepPlan(0, {}, {}, {})
+    inputs = step_inputs(
+        empty,
+        num_tokens=num_tokens,
+        max_batch=max_batch,
+        max_shares=max_shares,
+        sampling=lambda r: (0.0, 0, 1.0),
+    )
+    return StepInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs))

@@ -63,7 +63,12 @@ from collections.abc import Sequence
 from swajax._ledger import SlotLedger
 from swajax._prefix_cache import PrefixCache, PrefixEntry
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+# A request's states: WAITING (queued, no row) -> RUNNING (a row, prefill then decode) ->
+# FINISHED (finish_reason "stop", "length", "abort" or "error"); a running request that must
+# make room is PREEMPTED: its row freed, it waits at the head of the queue and is recomputed
+# from prompt + generated tokens when admitted again (RUNNING).
+WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,6 +95,7 @@ class Request:
     done_scheduling: bool = False
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    error: str | None = None  # why it finished with "error"
 
     @property
     def pending(self) -> bool:
@@ -240,8 +246,9 @@ class Scheduler:
         self.rows = [None] * self.serving_rows
         self._release, self._free_next = [], []
 
-    def abort(self, request_ids: Sequence[int]) -> list[int]:
-        """Drops these requests; returns the rows to free (their KV is released next step)."""
+    def abort(self, request_ids: Sequence[int], reason: str = "abort") -> list[int]:
+        """Finishes these requests where they stand (`reason`, default "abort") and drops them;
+        returns the rows to free (their KV is released next step)."""
         rows = []
         for rid in request_ids:
             r = self.requests.pop(rid, None)
@@ -257,7 +264,7 @@ class Scheduler:
                 rows.append(r.row)
                 self.rows[r.row] = None
                 r.row = None
-            r.status, r.finish_reason = FINISHED, r.finish_reason or "abort"
+            r.status, r.finish_reason = FINISHED, r.finish_reason or reason
         if rows:
             self.ledger.free_rows(rows)
             self._free_next += rows
@@ -284,12 +291,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ tokens back
 
-    def on_sampled(self, plan: StepPlan, tokens: dict[int, int]) -> list[Request]:
-        """Records the tokens a step drew (row -> id); returns the requests that changed."""
+    def update_from_output(
+        self, plan: StepPlan, tokens: dict[int, int], finite: dict[int, bool] | None = None
+    ) -> list[Request]:
+        """Records the tokens a step drew (row -> id) and whether each row's logits were all
+        finite (a row that was not finishes with "error": its token is not recorded); returns
+        the requests that changed."""
         changed = []
         for row, (r, index) in plan.samples.items():
             if r.status == FINISHED or index != len(r.output):
                 continue  # stopped earlier (this token is dropped) or aborted
+            if finite is not None and not finite[row]:
+                r.error = (
+                    f"non-finite logits (NaN or Inf) at generated token {index}: the model's "
+                    "weights or activations hold NaN / Inf"
+                )
+                self._finish(r, "error")
+                changed.append(r)
+                continue
             token = int(tokens[row])
             r.output.append(token)
             changed.append(r)
@@ -398,7 +417,7 @@ class Scheduler:
         self.ledger.free_rows([r.row])
         plan.free_a.append(r.row)
         self.rows[r.row] = None
-        r.row, r.fed, r.park_at, r.status = None, 0, 0, WAITING
+        r.row, r.fed, r.park_at, r.status = None, 0, 0, PREEMPTED
         r.preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(r)

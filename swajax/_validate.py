@@ -26,6 +26,8 @@ def positive_int(name: str, value, *, minimum: int = 1) -> int:
 
 def token_ids(name: str, ids, vocab_size: int) -> list[int]:
     """`ids` as a list of Python ints in [0, vocab_size); ValueError otherwise."""
+    if not isinstance(ids, (np.ndarray, str, bytes)) and hasattr(ids, "__array__"):
+        ids = np.asarray(ids)  # a JAX (or other) array of ids, like a NumPy one
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
         raise ValueError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
     if isinstance(ids, np.ndarray):

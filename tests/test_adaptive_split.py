@@ -216,5 +216,5 @@ def test_adaptive_engine_rejects_bad_requests():
     with pytest.raises(RuntimeError, match="idle"):
         eng.add_request(list(range(1, 50)), 4)
         eng.step()  # admitted and running: the pool cannot be rebound now
-        eng.scheduler.rebind(eng.ledger, eng.headroom)
+        eng.scheduler.rebind(eng.ledger, eng.pool.headroom)
     assert _budget.ADAPTIVE_GRID_STEPS == 8

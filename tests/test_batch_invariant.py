@@ -39,7 +39,7 @@ def record_steps(engine):
     token after the prompt, request ids fed prompt tokens), the rows sorted by what they did
     when the scheduler planned the step."""
     scheduler = engine.scheduler
-    schedule, dispatch = scheduler.schedule, engine._dispatch
+    schedule, dispatch = scheduler.schedule, engine.runner._dispatch
     kinds, steps = {}, []
 
     def recorded_schedule():
@@ -51,13 +51,12 @@ def record_steps(engine):
             kinds[plan.index] = (decode, ids - decode)
         return plan
 
-    def recorded_dispatch(plans):
-        num_tokens, decode, *_ = engine._variant(plans)
-        steps.append((num_tokens, decode, *kinds[plans[0].index]))
-        dispatch(plans)
+    def recorded_dispatch(plans, shape):
+        steps.append((shape.num_tokens, shape.decode, *kinds[plans[0].index]))
+        dispatch(plans, shape)
 
     scheduler.schedule = recorded_schedule
-    engine._dispatch = recorded_dispatch
+    engine.runner._dispatch = recorded_dispatch
     return steps
 
 
@@ -86,8 +85,11 @@ def test_dense_greedy_tokens_and_one_kind_of_rows_per_step(scratch):
 def test_min_prefill_bucket_must_be_max_num_tokens():
     with pytest.raises(ValueError, match="max_num_tokens=32.*min_prefill_bucket=16"):
         make_engine(True, min_prefill_bucket=16)
-    assert make_engine(True, min_prefill_bucket=MAX_NUM_TOKENS).min_prefill_bucket == 32
-    assert make_engine(True, batch_invariant=False, min_prefill_bucket=16).min_prefill_bucket == 16
+    assert make_engine(True, min_prefill_bucket=MAX_NUM_TOKENS).config.min_prefill_bucket == 32
+    assert (
+        make_engine(True, batch_invariant=False, min_prefill_bucket=16).config.min_prefill_bucket
+        == 16
+    )
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None])

@@ -16,6 +16,7 @@ import swajax
 from pallas_kernels import _checks
 from swajax import _runner, _step_cache
 from swajax._budget import round_quota
+from swajax._model_runner import StepShape
 
 
 def _engine(model, **kw):
@@ -52,7 +53,8 @@ def test_two_engines_of_one_model_trace_once_and_precompile_covers_the_run():
     assert traced == len(first.step_buckets())  # one per step shape, compiled up front
     assert first.run(prompts, 5)[0] == expected
     assert first.trace_count == traced  # the run compiled nothing more
-    assert [f._cache_size() for f in first._resolved.values()] == [1] * len(first._resolved)
+    compiled = first.runner._compiled
+    assert [f._cache_size() for f in compiled.values()] == [1] * len(compiled)
     second = _engine(model)
     assert second.layout == first.layout
     assert second.run(prompts, 5)[0] == expected
@@ -153,7 +155,8 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
     try:
         first = _engine(model)
         assert first.run(prompts, 5)[0] == expected
-        assert [f._cache_size() for f in first._resolved.values()] == [1] * len(first._resolved)
+        compiled = first.runner._compiled
+        assert [f._cache_size() for f in compiled.values()] == [1] * len(compiled)
         traced = first.trace_count
         stored = sorted(tmp_path.glob("*.exported"))
         assert traced >= 2 and len(stored) == traced
@@ -164,7 +167,9 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         assert second.run(prompts, 5)[0] == expected
         assert second.trace_count == 0
         # one executable per variant: the first step's inputs are committed like the later ones
-        assert [f._cache_size() for f in second._resolved.values()] == [1] * len(second._resolved)
+        assert [f._cache_size() for f in second.runner._compiled.values()] == [1] * len(
+            second.runner._compiled
+        )
         assert [p.unsafe_buffer_pointer() for p in second.state.pools] == before
         assert all(p.is_deleted() for p in pools)  # donated
         assert sorted(tmp_path.glob("*.exported")) == stored
@@ -172,8 +177,8 @@ def test_step_cache_serves_steps_without_tracing_and_updates_pools_in_place(tmp_
         second.lower_step(16, decode=False, lowering_platforms=("cuda",)).as_text()
         assert sorted(tmp_path.glob("*.exported")) == stored
         with _checks.force_interpret():  # a forced Pallas mode: not cached either
-            step = second._step_function(False, False, "greedy")
-            args = second._step_args(16)
+            step = second.runner._step_function(StepShape(16, False, False, "greedy"))
+            args = second.runner.step_args(16)
             assert _step_cache.resolve(step, args) is step.jitted
         third = swajax.Engine(
             model,

@@ -141,9 +141,10 @@ def test_steps_compile_without_rematerialization_under_memory_pressure(monkeypat
         engine = make_engine(model, prompts, implementation="pallas", scratch=True)
         got, _ = engine.run(prompts, MAX_NEW)
         assert got == want
-        assert engine._ran
-        for num_tokens, decode, logits, mode in engine._ran:
-            text = engine._lower(num_tokens, decode, mode, logits=logits).compile().as_text()
+        assert engine.runner.ran
+        for num_tokens, decode, logits, mode in engine.runner.ran:
+            text = engine.runner.lower(num_tokens, decode, mode, logits=logits).compile()
+            text = text.as_text()
             assert ".remat" not in text, (num_tokens, decode)
     finally:
         swajax._runner.step_function.cache_clear()

@@ -130,7 +130,9 @@ def drive(s, *, token=lambda r, k: 1000 + k, pipelined=False, max_steps=10_000):
     for _ in range(max_steps):
         plan = s.schedule() if s.has_work else None
         if pipelined and previous is not None:
-            s.on_sampled(previous, {row: token(r, k) for row, (r, k) in previous.samples.items()})
+            s.update_from_output(
+                previous, {row: token(r, k) for row, (r, k) in previous.samples.items()}
+            )
         if plan is None:
             if previous is None and not s.has_work:
                 return plans
@@ -140,7 +142,7 @@ def drive(s, *, token=lambda r, k: 1000 + k, pipelined=False, max_steps=10_000):
         if pipelined:
             previous = plan
         else:
-            s.on_sampled(plan, {row: token(r, k) for row, (r, k) in plan.samples.items()})
+            s.update_from_output(plan, {row: token(r, k) for row, (r, k) in plan.samples.items()})
     raise AssertionError("the scheduler did not finish")
 
 
@@ -199,7 +201,7 @@ def test_a_long_prompt_is_admitted_only_when_its_whole_prefill_fits():
     s.add(req(1, 32, 2))
     first = s.schedule()
     assert list(first.new_tokens) == [0]  # the second's 8 blocks do not fit beside the first's
-    s.on_sampled(first, {})
+    s.update_from_output(first, {})
     drive(s)
     assert s.counters.preemptions == 0
     for r in s.requests.values():
@@ -220,7 +222,7 @@ def test_fifo_admission_does_not_starve_a_long_request():
         for row in sorted(plan.new_tokens):
             if s.rows[row].id not in order:
                 order.append(s.rows[row].id)
-        s.on_sampled(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
+        s.update_from_output(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
     assert order == list(range(8))  # first scheduled in arrival order
     assert all(r.status == FINISHED for r in s.requests.values())
 
@@ -321,7 +323,9 @@ def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
             }
             steps.append(Step(plan, decode, ids - decode, 1 in remaining.values(), before))
         if pipelined and previous is not None:
-            s.on_sampled(previous, {row: 1000 + i for row, (r, i) in previous.samples.items()})
+            s.update_from_output(
+                previous, {row: 1000 + i for row, (r, i) in previous.samples.items()}
+            )
         if plan is None:
             if previous is None and not s.has_work and k >= last_arrival:
                 return steps
@@ -330,7 +334,7 @@ def drive_steps(s, arrivals, *, pipelined=False, max_steps=10_000):
         if pipelined:
             previous = plan
         else:
-            s.on_sampled(plan, {row: 1000 + i for row, (r, i) in plan.samples.items()})
+            s.update_from_output(plan, {row: 1000 + i for row, (r, i) in plan.samples.items()})
     raise AssertionError("the scheduler did not finish")
 
 
@@ -430,7 +434,7 @@ def test_a_prefill_step_keeps_free_the_next_slots_of_the_decode_rows():
     s.add(req(0, 7, 4))
     for _ in range(2):  # its prefill, then its first decode step: 8 tokens in two blocks
         plan = s.schedule()
-        s.on_sampled(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
+        s.update_from_output(plan, {row: 1000 + k for row, (r, k) in plan.samples.items()})
     assert s.ledger.history[0] == 8 and s.ledger.free == [6]
     s.add(req(1, 24, 1))
     plans = drive(s)

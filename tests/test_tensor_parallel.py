@@ -299,7 +299,10 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
     assert engine.trace_count == 2  # one prefill and one decode variant
     # Every slot of every replica is back on its free stacks; every replica served rows.
     np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(slots) * dp)
-    assert all(s._steps > 0 for s in engine.schedulers) and len(engine.schedulers) == dp
+    assert (
+        all(s._steps > 0 for s in engine.replicas.schedulers)
+        and len(engine.replicas.schedulers) == dp
+    )
     assert stats.num_slots == tuple(dp * n for n in slots)
     if dp > 1:  # an abort's frees run in the per-replica bookkeeping step
         rid = engine.add_request(PROMPTS[1], MAX_NEW)
@@ -319,7 +322,7 @@ def _check_device_bytes(reference, engine, tp):
     KV head (all of a K = 1 pool)."""
     one = sum(x.nbytes for x in jax.tree.leaves(reference.params))
     local = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(engine.params))
-    model = nnx.merge(engine.graphdef, engine.params)
+    model = nnx.merge(engine.runner.graphdef, engine.params)
     assert local == device_bytes(model, tp) and one / tp <= local <= one / tp * 1.5, (local, one)
     pairs = zip(reference.state.pools, engine.state.pools, strict=True)
     for spec, (ref_pool, pool) in zip(engine.layout.pools, pairs, strict=True):
@@ -368,11 +371,11 @@ def test_compiled_step_collectives(dp, tp):
         _run(engine)
     # The step the run compiled (prefill bucket, logits on): JAX's caches hand it back.
     bucket = engine.step_buckets()[1][0]
-    text = engine._lower(bucket, False, "greedy", logits=True).compile().as_text()
+    text = engine.runner.lower(bucket, False, "greedy", logits=True).compile().as_text()
     ops = _collectives(text)
     assert any(op == "all-reduce" for _, op, _ in ops), ops
     # Over "model" only: groups of tp consecutive device ids, the mesh's rows (one replica each).
-    assert engine.mesh.devices.flatten().tolist() == jax.devices()[: dp * tp]
+    assert engine.runner.mesh.devices.flatten().tolist() == jax.devices()[: dp * tp]
     for *_, groups in ops:
         assert _over_model_only(groups, dp, tp), (groups, ops)
     pools = [p.addressable_shards[0].data.shape for p in engine.state.pools]

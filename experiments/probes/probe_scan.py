@@ -1,6 +1,6 @@
 """Does the compiled step copy a pool root, with the layers scanned and unrolled? (GPU probe)
 
-    PYTHONPATH=. python3 experiments/probe_scan.py gemma3_4b
+    PYTHONPATH=. python3 experiments/probes/probe_scan.py gemma3_4b
 
 A preset shrunk by `gemma.configs.small_preset` (its attention geometry kept), bf16 weights and
 KV, the Pallas kernels, a 1 GiB pool: for the prefill and decode steps, prints the compiled

@@ -1,6 +1,7 @@
 """The step cache on the GPU: three fresh processes on one cache directory.
 
-    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/probe_step_cache.py --out $OUT/s.json
+    SWAJAX_GIT_COMMIT=... PYTHONPATH=. python3 experiments/probes/probe_step_cache.py \
+        --out $OUT/s.json
 
 A small preset (`gemma.configs.small_preset`, the real attention geometry) through
 `Engine(implementation="pallas")`, 4 prompts of 300 tokens, 8 new tokens, greedy: (1) the

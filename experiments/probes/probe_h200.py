@@ -1,7 +1,7 @@
 """Baselines of the GPU machine: copy bandwidth, bf16 matmul rate, cuDNN attention,
 JAX's Mosaic GPU flash attention and JAX's built-in (Triton) paged attention.
 
-    PYTHONPATH=. python3 experiments/probe_h200.py --out $OUT/h200_baselines.json
+    PYTHONPATH=. python3 experiments/probes/probe_h200.py --out $OUT/h200_baselines.json
 
 Prints a table and writes JSON (device, versions, every parameter).
 """

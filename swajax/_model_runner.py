@@ -1,0 +1,342 @@
+"""The model runner: the pool's device state and the compiled steps that advance it.
+
+`ModelRunner.run(plans)` turns the schedulers' plans (one per data-parallel replica) into one
+step on the device and returns what the step before it produced: steps are pipelined, so the
+device always has the next step queued while the host reads results and plans. A step whose
+shape has not run yet may compile for seconds; the runner then reads the step in flight first,
+so its tokens (often a request's first) do not wait for the compile.
+
+Compiled steps: `swajax._runner.step_function` keeps one jitted step per (model structure,
+layout, decode, implementation, sampling mode, logits, mesh), shared by every runner of that
+model and layout (with the step cache, `swajax._step_cache`, as its on-disk layer; JAX's
+persistent compilation cache below it). The runner keeps, per step shape
+`StepShape(num_tokens, decode, logits, mode)`, the callable resolved for it (the step cache's
+exported step or the jit); a new layout (an adaptive re-split) starts that map afresh.
+
+The pool state (pool roots, page tables, previous tokens) is donated to every step; on a mesh
+it holds every replica's arrays concatenated along their first axis (`swajax._sharding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from swajax import _sharding
+from swajax._layout import KVLayout
+from swajax._runner import (
+    bookkeeping_step,
+    initial_tables,
+    sharded_bookkeeping_step,
+    step_function,
+    step_input_shapes,
+    step_inputs,
+    trace_count,
+)
+from swajax._sampling import step_mode
+from swajax._scheduler import StepPlan
+from swajax._state import init_state
+from swajax._step_cache import CachedStep, resolve
+
+MIN_BUCKET = 8  # token axis granularity of every step (the decode step's rows)
+
+
+class StepShape(NamedTuple):
+    """Which compiled step runs a plan: its token axis, whether it is a decode step, whether
+    it returns logits, and the sampling mode."""
+
+    num_tokens: int
+    decode: bool
+    logits: bool
+    mode: str
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step produced for one replica's plan (host numpy)."""
+
+    plan: StepPlan
+    next_tokens: np.ndarray  # i32[B] the token each sampling row drew
+    finite: np.ndarray  # bool[B] whether the row's logits were all finite
+    logits: np.ndarray | None  # f32[B, V], when the step returned them
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Holds SIGINT back during the block (main thread only) and raises it afterwards, so that
+    a donating call never loses the state it donated."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+class ModelRunner:
+    """Runs step plans for one model on one pool layout (every replica's pool).
+
+    Args:
+      graphdef, params: the model split by `nnx.split` (params already on their shardings).
+      layout: the pool layout of one replica.
+      serving_rows, max_num_tokens, min_prefill_bucket, max_shares: the step shapes (see
+        `swajax.EngineConfig`).
+      implementation: the attention kernels.
+      mesh: a serving mesh (`swajax._sharding.serving_mesh`) or None; num_replicas its dp.
+    """
+
+    def __init__(
+        self,
+        graphdef,
+        params,
+        layout: KVLayout,
+        *,
+        serving_rows: int,
+        max_num_tokens: int,
+        min_prefill_bucket: int,
+        max_shares: int,
+        implementation: str,
+        mesh=None,
+        num_replicas: int = 1,
+    ):
+        self.graphdef, self.params = graphdef, params
+        self.serving_rows = serving_rows
+        self.max_num_tokens = max_num_tokens
+        self.min_prefill_bucket = min(min_prefill_bucket, max_num_tokens)
+        self.max_shares = max_shares
+        self.implementation = implementation
+        self.mesh, self.num_replicas = mesh, num_replicas
+        self._traces_at_start: dict[KVLayout, int] = {}
+        self.set_layout(layout)
+        self.collect_logits = False  # whether steps return logits (a recording asks for them)
+
+    # ------------------------------------------------------------------ pool
+
+    def set_layout(self, layout: KVLayout) -> None:
+        """A fresh, empty pool of `layout` (the old pool roots go before the new ones come)."""
+        self.state = self.tables = self.prev_tokens = None
+        self.layout = layout
+        self._traces_at_start.setdefault(layout, trace_count(layout))
+        self._compiled: dict[StepShape, object] = {}
+        self.ran: set[StepShape] = set()  # step shapes dispatched on this layout
+        self.in_flight: tuple[list[StepPlan], object] | None = None
+        if self.mesh is None:
+            state = init_state(layout)
+            tables = initial_tables(layout)  # updated in place by the gather (per_layer mode)
+            prev_tokens = jnp.zeros((layout.max_batch,), jnp.int32)
+            # Committed to their device (no copy), as every step's outputs are: a first step
+            # with uncommitted inputs would be a second compile of the same step.
+            device = next(iter(jax.tree.leaves(state)[0].devices()))
+            self.state, self.tables, self.prev_tokens = jax.device_put(
+                (state, tables, prev_tokens), device
+            )
+        else:  # every replica's, concatenated along the first axis
+            self.state = _sharding.init_state_sharded(layout, self.mesh)
+            self.tables = _sharding.initial_tables_sharded(layout, self.mesh)
+            self.prev_tokens = jax.device_put(
+                np.zeros((self.num_replicas * layout.max_batch,), np.int32),
+                _sharding.replica_sharding(self.mesh),
+            )
+
+    @property
+    def state_lost(self) -> bool:
+        """Whether a failed step consumed the donated state (the pool must be rebuilt)."""
+        leaves = jax.tree.leaves((self.state, self.tables, self.prev_tokens))
+        return any(x.is_deleted() for x in leaves)
+
+    @property
+    def trace_count(self) -> int:
+        """Traces of the step for this runner's layouts since it was made."""
+        return sum(trace_count(lay) - n for lay, n in self._traces_at_start.items())
+
+    # ------------------------------------------------------------------ steps
+
+    def shape_of(self, plans: list[StepPlan]) -> StepShape:
+        """The compiled step that runs these plans (None entries: replicas with no step)."""
+        plans = [p for p in plans if p is not None and p.new_tokens]
+        if all(p.decode_only for p in plans):
+            num_tokens, decode = round_up(max(self.serving_rows, 1), MIN_BUCKET), True
+        else:
+            n = max(max(p.num_tokens for p in plans), self.min_prefill_bucket, MIN_BUCKET)
+            num_tokens, decode = min(1 << (n - 1).bit_length(), self.max_num_tokens), False
+        mode = step_mode([r.sampling for p in plans for r, _ in p.samples.values()])
+        num_tokens = max([num_tokens] + [p.num_tokens for p in plans])
+        return StepShape(num_tokens, decode, self.collect_logits, mode)
+
+    def step_shapes(self) -> list[tuple[int, bool]]:
+        """Every (token axis, decode) this runner's steps can have."""
+        buckets, n = [], max(self.min_prefill_bucket, MIN_BUCKET)
+        while True:
+            t = min(1 << (n - 1).bit_length(), self.max_num_tokens)
+            buckets.append((t, False))
+            if t >= self.max_num_tokens:
+                break
+            n = t + 1
+        return [(round_up(self.serving_rows, MIN_BUCKET), True), *buckets]
+
+    def run(self, plans: list[StepPlan]) -> list[StepResult]:
+        """Dispatches a step for `plans` (one per replica, each with new tokens or bookkeeping
+        only, or None) and returns the results of the step that was in flight."""
+        results = []
+        if any(p is not None and p.new_tokens for p in plans):
+            shape = self.shape_of(plans)
+            if shape not in self.ran:
+                results += self.collect()  # read it before a compile can delay it
+            previous, self.in_flight = self.in_flight, None
+            self._dispatch(plans, shape)
+            current, self.in_flight = self.in_flight, previous
+            results += self.collect()
+            self.in_flight = current
+            return results
+        if any(p is not None for p in plans):
+            self.bookkeeping(plans)
+        return results + self.collect()
+
+    def _dispatch(self, plans: list[StepPlan], shape: StepShape) -> None:
+        self.ran.add(shape)
+        inputs = [
+            step_inputs(
+                plan,
+                num_tokens=shape.num_tokens,
+                max_batch=self.layout.max_batch,
+                max_shares=self.max_shares,
+                sampling=lambda r: r.sampling.row_values(),
+            )
+            for plan in plans
+        ]
+        args = (self.params, self.state, self.tables, self.prev_tokens, self._joined(inputs))
+        step = self._compiled.get(shape)
+        if step is None:
+            step = self._compiled[shape] = resolve(self._step_function(shape), args)
+        with sigint_deferred():
+            out = step(*args)
+            self.state, self.tables, self.prev_tokens = out.state, out.tables, out.next_tokens
+        self.in_flight = (plans, out)
+
+    def collect(self) -> list[StepResult]:
+        """Reads the step in flight (a host sync): one result per replica's plan."""
+        if self.in_flight is None:
+            return []
+        plans, out = self.in_flight
+        self.in_flight = None
+        dp = self.num_replicas
+        next_tokens = np.asarray(out.next_tokens).reshape(dp, -1)
+        finite = np.asarray(out.finite).reshape(dp, -1)
+        ok, used = np.asarray(out.ok).reshape(dp), np.asarray(out.used).reshape(dp, -1)
+        logits = None
+        if out.logits is not None:
+            logits = np.asarray(out.logits).reshape(dp, -1, out.logits.shape[-1])
+        for plan, ok_r, used_r in zip(plans, ok, used, strict=True):
+            if not bool(ok_r):
+                raise RuntimeError(
+                    "internal error: a step's slot reservation or prefix share failed on the "
+                    "device although the host ledger planned it "
+                    f"(new_tokens={plan.new_tokens})"
+                )
+            if tuple(int(x) for x in used_r) != tuple(plan.used):
+                raise RuntimeError(
+                    f"internal error: the device holds {tuple(used_r)} slots per group, the "
+                    f"ledger {plan.used}"
+                )
+        return [
+            StepResult(plan, next_tokens[i], finite[i], None if logits is None else logits[i])
+            for i, plan in enumerate(plans)
+        ]
+
+    def bookkeeping(self, plans: list[StepPlan]) -> None:
+        """Runs plans without tokens (frees and shares only) on the device."""
+        inputs = [
+            step_inputs(
+                plan,
+                num_tokens=0,
+                max_batch=self.layout.max_batch,
+                max_shares=self.max_shares,
+                sampling=lambda r: (0.0, 0, 1.0),
+            )
+            for plan in plans
+        ]
+        inputs = self._joined(inputs)
+        args = (inputs.free_a, inputs.shares_a, inputs.free_b)
+        with sigint_deferred():
+            if self.mesh is None:
+                ok, self.state = bookkeeping_step(self.layout, self.state, *args)
+            else:
+                step = sharded_bookkeeping_step(self.layout, self.mesh)
+                ok, self.state = step(self.state, *args)
+        if not bool(np.all(np.asarray(ok))):
+            raise RuntimeError("internal error: a bookkeeping share failed on the device")
+
+    def _joined(self, inputs: list):
+        """One replica's inputs as they are; with a mesh, every replica's concatenated."""
+        if self.mesh is None:
+            return inputs[0]
+        joined = jax.tree.map(lambda *x: np.concatenate(x), *inputs)
+        return jax.device_put(joined, _sharding.replica_sharding(self.mesh))
+
+    def _step_function(self, shape: StepShape):
+        return step_function(
+            self.graphdef,
+            self.layout,
+            decode=shape.decode,
+            implementation=self.implementation,
+            sampling_mode=shape.mode,
+            logits=shape.logits,
+            mesh=self.mesh,
+        )
+
+    # ------------------------------------------------------------------ compilation
+
+    def lower(
+        self,
+        num_tokens: int,
+        decode: bool,
+        mode: str = "greedy",
+        *,
+        logits=False,
+        lowering_platforms=None,
+    ):
+        """The `jax.stages.Lowered` step of a shape (for compiling ahead and for inspection;
+        lowering_platforms e.g. ("cuda",) with `pallas_kernels._checks.force_compiled()`)."""
+        step = self._step_function(StepShape(num_tokens, decode, logits, mode))
+        if lowering_platforms is not None and isinstance(step, CachedStep):
+            step = step.jitted  # the step cache stores this backend's lowering only
+        return step.trace(*self.step_args(num_tokens)).lower(lowering_platforms=lowering_platforms)
+
+    def step_args(self, num_tokens: int) -> tuple:
+        """The step's arguments for a token axis, its inputs as shapes."""
+        inputs = step_input_shapes(
+            num_tokens=num_tokens, max_batch=self.layout.max_batch, max_shares=self.max_shares
+        )
+        if self.mesh is not None:  # every replica's inputs, concatenated
+            sharding = _sharding.replica_sharding(self.mesh)
+            inputs = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(
+                    (self.num_replicas * a.shape[0], *a.shape[1:]), a.dtype, sharding=sharding
+                ),
+                inputs,
+            )
+        return (self.params, self.state, self.tables, self.prev_tokens, inputs)
+
+    def precompile(self, modes=("greedy",)) -> None:
+        """Compiles every step shape for the sampling modes, in threads."""
+        import concurrent.futures
+
+        jobs = [(t, d, m) for t, d in self.step_shapes() for m in modes]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
+            list(pool.map(lambda job: self.lower(*job).compile(), jobs))

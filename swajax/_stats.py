@@ -1,0 +1,104 @@
+"""Run statistics: `RunStats`, and the recorder an engine feeds while a recording is open.
+
+`Engine.run` records its steps into a `RunStats`; `Engine.recording()` does the same around any
+block (streams, a loop over `step`). The recorder counts per step (tokens fed, slots held after
+the reserve, rows) and per output token (time to first token, inter-token latency, optionally
+the logits that drew it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    v = np.asarray(values, np.float64)
+    return {
+        "mean": float(v.mean()),
+        "p50": float(np.percentile(v, 50)),
+        "p99": float(np.percentile(v, 99)),
+    }
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What one `Engine.run` (or a block of `Engine.recording`) did.
+
+    Slots: `peak_slots` / `mean_slots` per pool group (held after each step's reserve),
+    `step_slots` the slots held per group after each step's reserve (the occupancy over the
+    run), `num_slots` the pool's (with several replicas: summed over their pools). Latency:
+    `ttft_s` per request (from its arrival in the queue to its first token on the host) and
+    `itl_s` (gaps between its tokens), with `ttft` / `itl` summaries (mean, p50, p99). Prefix
+    cache: `prefix_hits` requests started from a cached prefix, skipping `prefix_tokens` prompt
+    tokens (`prefix_hit_rate`: their share of the prompt tokens admitted).
+    """
+
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens fed (recomputed ones included)
+    decode_tokens: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    peak_slots: tuple[int, ...] = ()
+    slot_steps: tuple[int, ...] = ()  # per group: sum over steps of the slots held in the step
+    step_slots: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    num_slots: tuple[int, ...] = ()
+    max_concurrent: int = 0
+    preemptions: int = 0
+    evictions: int = 0
+    prefix_hits: int = 0  # requests that started from a cached prefix
+    prefix_tokens: int = 0  # prompt tokens they did not prefill
+    errors: int = 0  # requests finished with "error" (non-finite logits)
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+    step_logits: list | None = None  # (request index, token index, f32[V]) when collected
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.prefill_tokens + self.decode_tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.output_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def mean_slots(self) -> tuple[float, ...]:
+        return tuple(s / max(self.steps, 1) for s in self.slot_steps)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache over the prompt tokens fed or skipped."""
+        return self.prefix_tokens / max(self.prefix_tokens + self.prefill_tokens, 1)
+
+    @property
+    def ttft(self) -> dict[str, float]:
+        return _summary(self.ttft_s)
+
+    @property
+    def itl(self) -> dict[str, float]:
+        return _summary(self.itl_s)
+
+    def on_step(self, plans) -> None:
+        """A dispatched step: its tokens (prefill or decode) and the slots it holds."""
+        self.steps += 1
+        for plan in plans:
+            for row, n in plan.new_tokens.items():
+                if n > 1 or row not in plan.samples or plan.samples[row][1] == 0:
+                    self.prefill_tokens += n
+                else:
+                    self.decode_tokens += n
+        used = np.sum([p.used for p in plans], axis=0)  # over the replicas
+        self.max_concurrent = max(self.max_concurrent, sum(len(p.new_tokens) for p in plans))
+        self.peak_slots = tuple(int(x) for x in np.maximum(self.peak_slots, used))
+        self.slot_steps = tuple(int(x) for x in np.add(self.slot_steps, used))
+        self.step_slots.append(tuple(int(x) for x in used))
+
+    def on_token(self, arrival: float, last: float | None, now: float) -> None:
+        self.output_tokens += 1
+        (self.ttft_s if last is None else self.itl_s).append(
+            now - arrival if last is None else now - last
+        )
