@@ -86,6 +86,7 @@ def encode_prompt(
     ValueError naming `name` for anything else, or when the template fails.
     """
     if isinstance(prompt, str):
+        _validate.unicode_text(name, prompt)
         if not chat:
             return list(tokenizer.encode(prompt))
         prompt = [{"role": "user", "content": prompt}]
@@ -101,6 +102,8 @@ def encode_prompt(
             raise ValueError(
                 f"{name}: message {k} needs a string 'role' and a string 'content', got {m!r}"
             )
+        _validate.unicode_text(f"{name}: message {k} role", m["role"])
+        _validate.unicode_text(f"{name}: message {k} content", m["content"])
     try:
         return list(
             tokenizer.apply_chat_template(

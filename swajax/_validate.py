@@ -88,3 +88,16 @@ def prompts(
         prompt(f"prompt {i}", p, vocab_size, max_context, max_new_tokens, context)
         for i, p in enumerate(prompts)
     ]
+
+
+def unicode_text(name: str, text: str) -> None:
+    """ValueError naming `name` and the code point unless `text` can be encoded as UTF-8
+    (Python strings, and JSON's \\uXXXX escapes, can hold lone surrogates, U+D800..U+DFFF,
+    which are not text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} holds U+{ord(text[e.start]):04X} at character {e.start}, a lone surrogate: "
+            "strings must be Unicode text (code points U+0000..U+D7FF and U+E000..U+10FFFF)"
+        ) from None

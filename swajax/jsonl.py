@@ -119,14 +119,9 @@ def _check_text(path, line: int, name: str, text: str) -> None:
     """ValueError naming the line and the code point unless `text` can be encoded as UTF-8
     (JSON's \\uXXXX escapes can spell lone surrogates, U+D800..U+DFFF, which are not text)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _line_error(
-            path,
-            line,
-            f"{name} holds U+{ord(text[e.start]):04X} at character {e.start}, a lone surrogate: "
-            "strings must be Unicode text (code points U+0000..U+D7FF and U+E000..U+10FFFF)",
-        ) from None
+        _validate.unicode_text(name, text)
+    except ValueError as e:
+        raise _line_error(path, line, str(e)) from None
 
 
 def _parse_line(path, number: int, raw: bytes) -> dict | None:

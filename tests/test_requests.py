@@ -267,3 +267,16 @@ def test_four_threads_add_stream_and_abort_at_random():
         assert list(finals[ids[k]][0].token_ids) == serial[k], k
     assert not engine.has_unfinished_requests and all_free(engine)
     assert np.all(np.asarray(engine.state.free_count) == np.asarray(engine.num_slots))
+
+
+def test_generate_text_names_a_lone_surrogate():
+    """Row 9: a prompt string with a lone surrogate is a ValueError naming the prompt and the
+    code point (not the tokenizer's TypeError); in a conversation, the message."""
+    import swajax
+    from test_text import TINY
+
+    model, tok = gemma.from_pretrained(TINY), gemma.load_tokenizer(TINY)
+    with pytest.raises(ValueError, match=r"prompt 0 holds U\+D800 at character 3"):
+        swajax.generate_text(model, tok, "abc\ud800def", 4)
+    with pytest.raises(ValueError, match=r"prompt 1: message 0 content holds U\+DFFF"):
+        swajax.generate_text(model, tok, ["ok", [{"role": "user", "content": "\udfff"}]], 4)
