@@ -272,8 +272,9 @@ def test_four_threads_add_stream_and_abort_at_random():
 def test_generate_text_names_a_lone_surrogate():
     """Row 9: a prompt string with a lone surrogate is a ValueError naming the prompt and the
     code point (not the tokenizer's TypeError); in a conversation, the message."""
-    import swajax
     from test_text import TINY
+
+    import swajax
 
     model, tok = gemma.from_pretrained(TINY), gemma.load_tokenizer(TINY)
     with pytest.raises(ValueError, match=r"prompt 0 holds U\+D800 at character 3"):
