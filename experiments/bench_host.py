@@ -50,7 +50,7 @@ def layout_for(preset: str, scratch: bool, rows: int, input_len: int, steps: int
     config = swa.model_config(preset, params)
     cap = swa.kv_cap_bytes(config, swa.Params())  # the reproduction's cap
     lay = swa.cell_layout(config, params, "pinned_8k", scratch, cap, [(1,) * input_len])
-    need = swajax.request_slots(lay, input_len, max_new_tokens=steps)
+    need = swajax.pool.request_slots(lay, input_len, max_new_tokens=steps)
     room = [max(g.num_slots, rows * k + 64) for g, k in zip(lay.groups, need, strict=True)]
     return with_num_slots(lay, room), params
 

@@ -78,7 +78,7 @@ def gather_layout(quick: bool):
     else:
         config = gemma.configs.gemma3_27b()
         batch, max_context = 256, 131_072
-    layout = swajax.make_layout(
+    layout = swajax.pool.make_layout(
         config.layer_specs,
         swajax.KVCacheConfig(page_size=32, chunk_size=2048),
         max_context=max_context,
@@ -106,13 +106,13 @@ def step_inputs(layout, history, new_tokens, slot_ids):
     for g, group in enumerate(layout.groups):
         keep = blk < extent
         batch = len(cap)
-        rng_arr = np.full((batch, 2), swajax.BAD, np.int32)
-        slots = np.full((batch, max(group.scratch_slots, 0)), swajax.BAD, np.int32)
+        rng_arr = np.full((batch, 2), swajax.pool.BAD, np.int32)
+        slots = np.full((batch, max(group.scratch_slots, 0)), swajax.pool.BAD, np.int32)
         if group.is_sliding:
-            start, end = swajax.stale_range(history, group.window, group.sink_blocks, tpb)
+            start, end = swajax.pool.stale_range(history, group.window, group.sink_blocks, tpb)
             keep &= ~((blk >= start[:, None]) & (blk < end[:, None]))
             if layout.scratch:
-                begin, end = swajax.scratch_range(
+                begin, end = swajax.pool.scratch_range(
                     history, cap, group.window, group.sink_blocks, tpb, layout.max_rewind
                 )
                 end = np.minimum(end, begin + group.scratch_blocks)
@@ -122,7 +122,7 @@ def step_inputs(layout, history, new_tokens, slot_ids):
                 count = -(-(rng_arr[:, 1] - rng_arr[:, 0]).clip(0) * 2 // layout.min_scale(g))
                 for b in np.nonzero(has)[0]:
                     slots[b, : count[b]] = rng.integers(nb * batch, 2 * nb * batch, count[b])
-        base = np.where(keep, slot_ids[g], swajax.BAD).astype(np.int32)
+        base = np.where(keep, slot_ids[g], swajax.pool.BAD).astype(np.int32)
         per_group.append((base, cap, rng_arr, slots))
     return [per_group[pool.group] for pool in layout.pools]
 
@@ -355,12 +355,12 @@ def kv_read_bytes(layout, kv_lens) -> int:
 def decode_state(layout, history: int, key):
     """Engine state with every row at `history` tokens, pools filled with random values."""
     batch = layout.max_batch
-    state = swajax.init_state(layout)
-    grow = jax.jit(lambda s, n: swajax.reserve(layout, s, n), donate_argnums=0)
+    state = swajax.pool.init_state(layout)
+    grow = jax.jit(lambda s, n: swajax.pool.reserve(layout, s, n), donate_argnums=0)
     ok, state = grow(state, jnp.full((batch,), history, jnp.int32))
     if not bool(ok):
         raise RuntimeError(f"reserve of {history} tokens per row failed: too few slots")
-    state = jax.jit(lambda s: swajax.advance(layout, s), donate_argnums=0)(state)
+    state = jax.jit(lambda s: swajax.pool.advance(layout, s), donate_argnums=0)(state)
     pools = list(state.pools)
     state = dataclasses.replace(state, pools=())
     for i, pool in enumerate(pools):  # one pool at a time: the zero pool is freed as we go
@@ -375,7 +375,8 @@ def model_decode_records(
     from flax import nnx
 
     from swajax import _step_cache
-    from swajax._runner import StepInputs, initial_tables, step_function
+    from swajax._runner import StepInputs, step_function
+    from swajax._state import initial_tables
 
     records = []
     batch, context, tpb = (2, 256, 16) if quick else (64, 8192, 32)
@@ -393,7 +394,7 @@ def model_decode_records(
         # NB a multiple of 128 (the gather kernel then works in place), room for the timed steps.
         max_context = -(-(context + steps + 64) // (128 * tpb)) * 128 * tpb
         cfg = swajax.KVCacheConfig(page_size=tpb, dtype=jnp.bfloat16, chunk_size=context)
-        probe = swajax.make_layout(
+        probe = swajax.pool.make_layout(
             config.layer_specs, cfg, max_context=max_context, max_batch=batch, num_slots=1
         )
         num_slots = []
@@ -403,7 +404,7 @@ def model_decode_records(
             else:
                 blocks = -(-(context + steps) // tpb) + 1
             num_slots.append(batch * blocks)
-        layout = swajax.make_layout(
+        layout = swajax.pool.make_layout(
             config.layer_specs,
             cfg,
             max_context=max_context,

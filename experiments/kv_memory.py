@@ -10,7 +10,7 @@ holds in three modes:
            scratch slots shared by all sliding layers of a pool, one layer after the other.
 
 "steady" is what the sequence holds after its prefill, "peak" the most it holds during it
-(after a step's reserve). The numbers come from `swajax.kv_bytes_per_sequence`, a step-by-step
+(after a step's reserve). The numbers come from `swajax.pool.kv_bytes_per_sequence`, a step-by-step
 simulation of the pool's bookkeeping; they are cross-checked against the slots a real
 `swajax.Engine` run holds (tiny random Gemma 4 E2B- and Gemma 3-shaped models on CPU).
 
@@ -99,7 +99,7 @@ def memory_rows(
         for input_len in input_lengths:
             row = {"preset": name, "family": config.family, "input_len": input_len}
             for mode in MODES:
-                kv = swajax.kv_bytes_per_sequence(
+                kv = swajax.pool.kv_bytes_per_sequence(
                     specs, input_len, chunk, mode, kv_cache_config=kv_cache_config
                 )
                 row[mode] = {"steady": kv.steady, "peak": kv.peak}
@@ -245,9 +245,9 @@ def engine_cross_check(
         mode = "scratch" if scratch else "release"
         slot_bytes = [layout.slot_bytes(g) for g in range(len(layout.groups))]
         engine_bytes = sum(n * b for n, b in zip(stats.peak_slots, slot_bytes, strict=True))
-        predicted = swajax.kv_bytes_per_sequence(layout, prompt_len, chunk, mode)
+        predicted = swajax.pool.kv_bytes_per_sequence(layout, prompt_len, chunk, mode)
         # the engine runs max_new_tokens - 1 decode steps after the prefill
-        predicted_slots = swajax.request_slots(
+        predicted_slots = swajax.pool.request_slots(
             layout, prompt_len, chunk=chunk, max_new_tokens=max_new_tokens - 1
         )
         record = {
@@ -405,7 +405,7 @@ def main(argv=None) -> dict:
             "KV bytes per sequence of every Gemma 3/4 text preset: every layer keeps everything "
             "(full), out-of-window release (release), release + SWA scratch reuse (scratch); "
             "steady = after the prefill, peak = most during it. From layer specs alone via "
-            "swajax.kv_bytes_per_sequence; device independent."
+            "swajax.pool.kv_bytes_per_sequence; device independent."
         ),
         "versions": versions(),
         "parameters": {

@@ -96,7 +96,7 @@ KV = swajax.KVCacheConfig(
     page_size=16, max_gpu_total_bytes=40 * 6144 + 160 * 2048, pool_ratio=(40 * 6144, 160 * 2048)
 )
 # at most 8 rows, steps of at most 512 tokens, prefill chunks of 256
-ENGINE = dict(kv_cache_config=KV, max_batch=8, max_num_tokens=512, prefill_chunk_size=256)
+ENGINE = dict(kv_cache=KV, max_batch=8, max_num_tokens=512, prefill_chunk_size=256)
 
 
 def generate_file(name, **settings):
@@ -149,7 +149,7 @@ print(f"\n[{chunk.finish_reason}]")
 
 # %%
 off = dataclasses.replace(KV, enable_swa_scratch_reuse=False)
-runs[False] = generate_file("out_scratch_off.jsonl", kv_cache_config=off)
+runs[False] = generate_file("out_scratch_off.jsonl", kv_cache=off)
 same = (OUT / "out_scratch_on.jsonl").read_text() == (OUT / "out_scratch_off.jsonl").read_text()
 print("scratch ON and OFF wrote the same results:", same)
 

@@ -32,9 +32,9 @@ Setups, each with scratch ON and OFF, the split derived in the cell's own scratc
   cap_only   pool_ratio unset: the library's default split from the hints
              expected_input_length = `--default-isl` (2048: TensorRT-LLM's initial split assumes
              an average ISL of 2K) and expected_batch_size = the batch of such sequences the cap
-             holds (`swajax.fitted_batch`), each group raised to what the longest request needs
-             alone (`swajax.plan_num_slots`);
-  pinned_8k  pool_ratio pinned to `swajax.fitted_pool_ratio` for an expected ISL of input_mean
+             holds (`swajax.pool.fitted_batch`), each group raised to what the longest request needs
+             alone (`swajax.pool.plan_num_slots`);
+  pinned_8k  pool_ratio pinned to `swajax.pool.fitted_pool_ratio` for an expected ISL of input_mean
              (8K): the split at which a pool full of 8K sequences runs out of every group at once;
   adaptive   pool_ratio="adaptive" (scratch ON only): the engine splits the quota for the
              requests queued, no hints (`Engine.adapt_pool` before the precompile, so that the
@@ -264,7 +264,7 @@ def kv_cap_bytes(config, params: Params) -> int:
     """`cap_seqs` x the steady-state KV bytes of one input_mean + output_len sequence."""
     import swajax
 
-    steady = swajax.kv_bytes_per_sequence(
+    steady = swajax.pool.kv_bytes_per_sequence(
         config.layer_specs,
         params.input_mean + params.output_len,
         params.max_num_tokens,
@@ -277,7 +277,7 @@ def kv_cap_bytes(config, params: Params) -> int:
 def slot_free_layout(config, params: Params, scratch: bool, context: int):
     import swajax
 
-    return swajax.make_layout(
+    return swajax.pool.make_layout(
         config.layer_specs,
         base_kv_config(params, scratch),
         max_context=context,
@@ -295,11 +295,13 @@ def cell_kv_config(config, params: Params, setup: str, scratch: bool, cap: int, 
     lay = slot_free_layout(config, params, scratch, context)
     budget = params.max_num_tokens
     if setup == "cap_only":
-        b = swajax.fitted_batch(lay, params.default_isl, cap, chunk=budget, max_batch=params.rows)
+        b = swajax.pool.fitted_batch(
+            lay, params.default_isl, cap, chunk=budget, max_batch=params.rows
+        )
         hints = dict(expected_input_length=params.default_isl, expected_batch_size=max(1, round(b)))
         return base_kv_config(params, scratch, max_gpu_total_bytes=cap, **hints), hints
     if setup == "pinned_8k":
-        ratio = swajax.fitted_pool_ratio(
+        ratio = swajax.pool.fitted_pool_ratio(
             lay, params.input_mean, cap, chunk=budget, max_batch=params.rows
         )
         return base_kv_config(params, scratch, max_gpu_total_bytes=cap, pool_ratio=ratio), {
@@ -317,7 +319,7 @@ def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, pro
 
     context = max_context(prompts, params)
     kv, _ = cell_kv_config(config, params, setup, scratch, cap, context)
-    lay = swajax.make_layout(
+    lay = swajax.pool.make_layout(
         config.layer_specs,
         kv,
         max_context=context,
@@ -326,7 +328,7 @@ def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, pro
         scratch=scratch,
     )
     if setup == "adaptive":
-        split = swajax.adaptive_split(
+        split = swajax.pool.adaptive_split(
             lay,
             [(len(p), params.output_len) for p in prompts],
             cap,
@@ -365,7 +367,7 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
 
     from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
     from swajax import request_slots
-    from swajax._engine import make_scheduler
+    from swajax._replicas import make_scheduler
     from swajax._scheduler import Request, default_headroom
 
     num_slots = tuple(g.num_slots for g in layout.groups)

@@ -2,7 +2,7 @@
 
 Computed, not measured: the parameters from the abstract model (`jax.eval_shape`, no weights)
 and the split of `gemma._sharding` (`device_bytes`), the KV pool from the layout
-(`swajax.make_layout(..., tp=)`, per-device bytes of a slot). For each tp it gives
+(`swajax.pool.make_layout(..., tp=)`, per-device bytes of a slot). For each tp it gives
 
   params      parameter bytes on one device (bf16);
   kv/token    KV bytes one token costs one device in all full layers and in all sliding layers
@@ -64,7 +64,7 @@ def kv_layout(config, tp: int, quota: int):
         expected_input_length=MAX_CONTEXT,
         chunk_size=CHUNK,
     )
-    return swajax.make_layout(
+    return swajax.pool.make_layout(
         config.layer_specs,
         cfg,
         max_context=MAX_CONTEXT,

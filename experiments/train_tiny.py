@@ -244,7 +244,7 @@ def greedy_samples(model, tokenizer, rhymes, max_new_tokens: int = 64) -> list[d
         model,
         [plain, chat],
         max_new_tokens,
-        kv_cache_config=swajax.KVCacheConfig(page_size=16),
+        kv_cache=swajax.KVCacheConfig(page_size=16),
         implementation="reference",
     )
     samples = []

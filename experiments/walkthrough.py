@@ -6,7 +6,7 @@ page size 16), runs one 400-token prompt through chunked prefill (chunk 128) and
 steps with the pure transforms (`reserve`, `step_page_tables`, `advance`, `free_rows`), and
 draws (a) the per-layer K page tables of the prefill steps, with the scratch rotation, and
 (b) the slots each pool group holds per step, scratch on vs off; (c) prints the DESIGN.md
-worked example from `swajax.rotation_pages`; (d) runs the same prompt through `swajax.Engine`
+worked example from `swajax.pool.rotation_pages`; (d) runs the same prompt through `swajax.Engine`
 with a tiny random Gemma 3-shaped model of the same life cycles.
 
     .venv/bin/python experiments/walkthrough.py [--no-engine]
@@ -83,14 +83,14 @@ DECODE_STEPS = 3
 # %%
 def tiny_specs(
     num_sliding: int = 5, window: int = WINDOW, head_dim: int = 8
-) -> tuple[swajax.LayerSpec, ...]:
+) -> tuple[gemma.LayerSpec, ...]:
     """`num_sliding` sliding layers then one full layer, all writing their own KV."""
     specs = [
-        swajax.LayerSpec(window=window, num_kv_heads=1, head_dim=head_dim, kv_source=i)
+        gemma.LayerSpec(window=window, num_kv_heads=1, head_dim=head_dim, kv_source=i)
         for i in range(num_sliding)
     ]
     specs.append(
-        swajax.LayerSpec(window=None, num_kv_heads=1, head_dim=head_dim, kv_source=num_sliding)
+        gemma.LayerSpec(window=None, num_kv_heads=1, head_dim=head_dim, kv_source=num_sliding)
     )
     return tuple(specs)
 
@@ -103,9 +103,9 @@ def build_layout(
     chunk: int = CHUNK,
     max_context: int = 512,
     num_slots: tuple[int, ...] = (24, 40),
-) -> swajax.KVLayout:
+) -> swajax.pool.KVLayout:
     """One batch row, a fixed number of slots per group (no byte budget: small readable ids)."""
-    return swajax.make_layout(
+    return swajax.pool.make_layout(
         tiny_specs() if specs is None else specs,
         swajax.KVCacheConfig(page_size=page_size, dtype=jnp.float32),
         max_context=max_context,
@@ -116,7 +116,7 @@ def build_layout(
     )
 
 
-def describe_layout(layout: swajax.KVLayout) -> str:
+def describe_layout(layout: swajax.pool.KVLayout) -> str:
     lines = [f"page size {layout.page_size}, scratch {'on' if layout.scratch else 'off'}"]
     for g, group in enumerate(layout.groups):
         lines.append(
@@ -178,19 +178,19 @@ def step_sizes(prompt_len: int, chunk: int, decode_steps: int) -> list[int]:
     return chunks + [1] * decode_steps
 
 
-_reserve = jax.jit(swajax.reserve, static_argnums=0)
-_tables = jax.jit(swajax.step_page_tables, static_argnums=0)
-_advance = jax.jit(swajax.advance, static_argnums=0)
-_free_rows = jax.jit(swajax.free_rows, static_argnums=0)
+_reserve = jax.jit(swajax.pool.reserve, static_argnums=0)
+_tables = jax.jit(swajax.pool.step_page_tables, static_argnums=0)
+_advance = jax.jit(swajax.pool.advance, static_argnums=0)
+_free_rows = jax.jit(swajax.pool.free_rows, static_argnums=0)
 
 
-def trace_steps(layout: swajax.KVLayout, steps: list[int]) -> list[Step]:
+def trace_steps(layout: swajax.pool.KVLayout, steps: list[int]) -> list[Step]:
     """Runs row 0 of `layout` through `steps` (new tokens per step), then frees it.
 
     Returns one `Step` per step plus a final "free" entry. Raises RuntimeError if a reserve
     fails (too few slots for the layout's num_slots).
     """
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     num_slots = np.array([g.num_slots for g in layout.groups])
     num_prefill = sum(1 for n in steps if n > 1)
     out = []
@@ -201,23 +201,23 @@ def trace_steps(layout: swajax.KVLayout, steps: list[int]) -> list[Step]:
         tables = _tables(layout, state)  # per pool i32[L_p, B, 2, NB]
         per_layer = np.stack(
             [
-                np.asarray(swajax.layer_page_table(layout, tables, layer))[0]
+                np.asarray(swajax.pool.layer_page_table(layout, tables, layer))[0]
                 for layer in range(layout.num_layers)
             ]
         )  # [num_layers, 2, NB]
         label = f"prefill {i + 1}" if i < num_prefill else f"decode {i - num_prefill + 1}"
         h, cap = int(state.history[0]), int(state.cap[0])
-        normal = [int(np.sum(np.asarray(t[0]) != swajax.BAD)) for t in state.base_tables]
+        normal = [int(np.sum(np.asarray(t[0]) != swajax.pool.BAD)) for t in state.base_tables]
         scratch = [np.asarray(s[0]) for s in state.scratch_slots]
         step = Step(
             label=label,
             history=h,
             cap=cap,
             scratch_range=[tuple(int(x) for x in r[0]) for r in state.scratch_range],
-            scratch_slots=[s[s != swajax.BAD].tolist() for s in scratch],
+            scratch_slots=[s[s != swajax.pool.BAD].tolist() for s in scratch],
             tables=per_layer,
             normal_slots=normal,
-            scratch_slot_count=[int(np.sum(s != swajax.BAD)) for s in scratch],
+            scratch_slot_count=[int(np.sum(s != swajax.pool.BAD)) for s in scratch],
             held_after=[],
         )
         state = _advance(layout, state)
@@ -229,7 +229,7 @@ def trace_steps(layout: swajax.KVLayout, steps: list[int]) -> list[Step]:
     return out
 
 
-def describe_steps(layout: swajax.KVLayout, trace: list[Step]) -> str:
+def describe_steps(layout: swajax.pool.KVLayout, trace: list[Step]) -> str:
     """One line per step: h -> cap, scratch range and slots, slots held per group."""
     lines = []
     for s in trace:
@@ -276,7 +276,7 @@ FULL_COLOR = "#a1d99b"  # page of a full-layer pool
 BAD_COLOR = "#e6e6e6"
 
 
-def plot_page_tables(layout: swajax.KVLayout, trace: list[Step], step_indices=None):
+def plot_page_tables(layout: swajax.pool.KVLayout, trace: list[Step], step_indices=None):
     """Heatmaps (layers x blocks) of the K page tables of the chosen steps (default: prefill)."""
     if step_indices is None:
         step_indices = [i for i, s in enumerate(trace) if s.label.startswith("prefill")]
@@ -300,7 +300,7 @@ def plot_page_tables(layout: swajax.KVLayout, trace: list[Step], step_indices=No
             begin, end = s.scratch_range[layout.pools[pool].group]
             for o in range(blocks):
                 page = int(k_pages[layer, o])
-                if page == swajax.BAD:
+                if page == swajax.pool.BAD:
                     color = BAD_COLOR
                 elif group.is_sliding and begin <= o < end:
                     color = palette[(page % scale) // 2]
@@ -309,7 +309,7 @@ def plot_page_tables(layout: swajax.KVLayout, trace: list[Step], step_indices=No
                 else:
                     color = FULL_COLOR
                 rgb[layer, o] = to_rgba(color)
-                if page != swajax.BAD:
+                if page != swajax.pool.BAD:
                     # white digits on the dark end of the scratch shades
                     dark = np.dot(rgb[layer, o, :3], (0.299, 0.587, 0.114)) < 0.45
                     ax.text(
@@ -388,7 +388,7 @@ if __name__ == "__main__":
 
 
 # %%
-def plot_occupancy(layout: swajax.KVLayout, trace_on: list[Step], trace_off: list[Step]):
+def plot_occupancy(layout: swajax.pool.KVLayout, trace_on: list[Step], trace_off: list[Step]):
     """Per pool group: normal + scratch slots after each reserve; scratch-off totals as markers."""
     steps_on = [s for s in trace_on if s.label != "free"]
     steps_off = [s for s in trace_off if s.label != "free"]
@@ -436,7 +436,7 @@ if __name__ == "__main__":
 # ## 5. (c) The DESIGN.md worked example
 #
 # A pool of three sliding layers (`scale = 6`), scratch range blocks 4..8 (five blocks, so
-# `ceil(5*2/6) = 2` scratch slots, ids 7 and 9). `swajax.rotation_pages` gives the pages of one
+# `ceil(5*2/6) = 2` scratch slots, ids 7 and 9). `swajax.pool.rotation_pages` gives the pages of one
 # (layer, role); within a column no page repeats, and V = K + 1.
 
 
@@ -450,7 +450,7 @@ def worked_example(
         [
             np.stack(
                 [
-                    swajax.rotation_pages(
+                    swajax.pool.rotation_pages(
                         begin, end, scratch_slots, scale=scale, layer_offset=2 * j + role
                     )
                     for role in (0, 1)

@@ -30,6 +30,8 @@ from jax.sharding import NamedSharding
 
 from gemma._config import TransformerConfig
 from gemma._hf_config import config_from_hf
+from gemma._mesh import MODEL, serving_mesh
+from gemma._sharding import for_mesh, param_shardings, variable_specs
 from gemma._transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = (
@@ -505,8 +507,6 @@ def warn_non_finite(model: Transformer, source: str) -> None:
 
 def _for_mesh(model: Transformer, mesh) -> Transformer:
     """The loaded model as it runs on `mesh` (`gemma._sharding.for_mesh`)."""
-    from gemma._sharding import for_mesh  # imports this module
-
     return for_mesh(model, mesh)
 
 
@@ -514,8 +514,6 @@ def _placement(model: Transformer, mesh):
     """place(var, host array) -> the device array of Variable `var` (its shards with a mesh)."""
     if mesh is None:
         return lambda var, array: jnp.asarray(array)
-    from gemma._sharding import MODEL, serving_mesh, variable_specs
-
     mesh = serving_mesh(mesh)
     specs = variable_specs(model, mesh.shape[MODEL])
     return lambda var, array: jax.device_put(array, NamedSharding(mesh, specs[id(var)]))
@@ -746,8 +744,6 @@ def restore_params(
             f"{type(config_or_model).__name__}"
         )
     if mesh is not None:
-        from gemma._sharding import param_shardings
-
         shardings = param_shardings(nnx.merge(graphdef, abstract_state), mesh)
         abstract_state = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -826,3 +822,40 @@ def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
             names = names[:-1]
         flat["/".join(names)] = tuple(leaf.shape)
     return flat
+
+
+def init_sharded(
+    config,
+    mesh,
+    *,
+    seed: int = 0,
+    dtype=np.float32,
+    param_dtype=None,
+    moe_implementation: str = "auto",
+    scan_layers: bool = True,
+):
+    """A random `Transformer` drawn inside one jit whose outputs are the parameters' shards,
+    so no device holds more than its shards.
+
+    The values come from `jax.random` under jit (partitionable threefry): the same for every
+    mesh, not those of the eager `Transformer(config, rngs=nnx.Rngs(seed))`, which draws
+    small arrays on the host.
+    """
+    param_dtype = dtype if param_dtype is None else param_dtype
+    abstract = abstract_model(config, dtype, param_dtype, moe_implementation, scan_layers)
+    graphdef, _ = nnx.split(abstract)
+    shardings = param_shardings(abstract, mesh)
+
+    @jax.jit(out_shardings=shardings)
+    def make():
+        model = Transformer(
+            config,
+            rngs=nnx.Rngs(seed),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            moe_implementation=moe_implementation,
+            scan_layers=scan_layers,
+        )
+        return nnx.split(model)[1]
+
+    return for_mesh(nnx.merge(graphdef, make()), mesh)

@@ -4,7 +4,7 @@
 names follow `Gemma3TextConfig` / `Gemma4TextConfig` where they exist) and
 derives everything per layer from it: attention type, window, head geometry,
 RoPE, the KV writer of KV-shared layers, MLP width. `layer_specs` is the one
-thing the KV pool reads (`swajax.LayerSpec` per layer).
+thing the KV pool reads (`gemma.LayerSpec` per layer).
 
 Layer types are 'sliding' (window `sliding_window`) and 'full' (global).
 """
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from swajax import LayerSpec
+from gemma._hook import LayerSpec
 
 FAMILIES = ("gemma3", "gemma4")
 LAYER_TYPES = ("sliding", "full")

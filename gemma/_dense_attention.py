@@ -17,10 +17,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from swajax import LayerRef, LayerSpec
-
-# Large finite negative for masked logits: exp() underflows to 0 without inf - inf = nan.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from gemma._hook import LayerRef, LayerSpec
+from pallas_kernels._contract import MASK_VALUE  # the kernels' masked logit
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +57,7 @@ def dense_attention(
       q: [..., T, N, H]; k, v: [..., S, K, H] with N % K == 0.
       q_positions: i32[..., T]; k_positions: i32[..., S]. Key s is visible to
         query t iff k_pos <= q_pos and (window is None or q_pos - k_pos < window).
-      window, scale, softcap: as `swajax.LayerSpec`.
+      window, scale, softcap: as `gemma.LayerSpec`.
       q_segment_ids, k_segment_ids: optional, same shapes as the positions.
 
     Returns:
@@ -97,7 +95,7 @@ AttentionFn = Callable[..., tuple[jax.Array, object]]
 def dense_attention_fn(layer_specs: Sequence[LayerSpec]) -> AttentionFn:
     """The attention hook `fn(layer, q, k, v, state) -> (out, state)` over `DenseAttentionState`.
 
-    `layer` is a `swajax.LayerRef`; window, scale and soft-cap come from
+    `layer` is a `gemma.LayerRef`; window, scale and soft-cap come from
     `layer_specs[layer.like]`. Layers that write KV keep it in `state.kv` when a
     KV-shared layer reads it later; KV-shared layers (k = v = None) read their
     writer's k/v from there.

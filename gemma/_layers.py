@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 
 from gemma._config import RopeConfig, TransformerConfig
+from gemma._hook import LayerRef
 from pallas_kernels._checks import on_gpu, on_hopper
 from pallas_kernels.grouped_matmul import grouped_matmul, supports
 from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul
-from swajax import LayerRef
 
 
 class Buffer(nnx.Variable):
@@ -182,7 +182,7 @@ class Attention(nnx.Module):
         self.value_norm_eps = c.rms_norm_eps if self.gemma4 else None
 
     def __call__(self, x, positions, attention_fn, attention_state, layer=None):
-        """layer: the `swajax.LayerRef` handed to the hook (default: this module's own layer)."""
+        """layer: the `gemma.LayerRef` handed to the hook (default: this module's own layer)."""
         x = x.astype(self.dtype)
         inv_freq = _inv_freq(self.rope, self.q_proj.shape[-1])
         q = linear("...td,dnh->...tnh", x, self.q_proj, self.dtype)  # [..., T, N, H]

@@ -20,8 +20,8 @@ A dimension the rule would split but tp does not divide stays replicated (query 
 divide: `swajax._sharding.check_heads`). A stacked (scanned) parameter's leading axis is None.
 
 `partition_specs(model, tp)` gives the specs of a model's whole state; `shard_model` moves a
-model onto a mesh; `init_sharded` draws random parameters straight into their shards;
-`from_pretrained(..., mesh=)` and `restore_params(..., mesh=)` load into them.
+model onto a mesh; `gemma._checkpoint.init_sharded` draws random parameters straight into their
+shards; `from_pretrained(..., mesh=)` and `restore_params(..., mesh=)` load into them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from swajax._sharding import MODEL, check_heads, serving_mesh
+from gemma._mesh import MODEL, check_heads, serving_mesh
 
 # Block-relative name -> the axis split over "model" (of the unstacked parameter).
 _BLOCK_AXES = {
@@ -136,46 +136,6 @@ def shard_model(model, mesh):
     tensor-parallel view)."""
     graphdef, state = nnx.split(model)
     return for_mesh(nnx.merge(graphdef, jax.device_put(state, param_shardings(model, mesh))), mesh)
-
-
-def init_sharded(
-    config,
-    mesh,
-    *,
-    seed: int = 0,
-    dtype=np.float32,
-    param_dtype=None,
-    moe_implementation: str = "auto",
-    scan_layers: bool = True,
-):
-    """A random `Transformer` drawn inside one jit whose outputs are the parameters' shards,
-    so no device holds more than its shards.
-
-    The values come from `jax.random` under jit (partitionable threefry): the same for every
-    mesh, not those of the eager `Transformer(config, rngs=nnx.Rngs(seed))`, which draws
-    small arrays on the host.
-    """
-    from gemma._checkpoint import abstract_model
-    from gemma._transformer import Transformer
-
-    param_dtype = dtype if param_dtype is None else param_dtype
-    abstract = abstract_model(config, dtype, param_dtype, moe_implementation, scan_layers)
-    graphdef, _ = nnx.split(abstract)
-    shardings = param_shardings(abstract, mesh)
-
-    @jax.jit(out_shardings=shardings)
-    def make():
-        model = Transformer(
-            config,
-            rngs=nnx.Rngs(seed),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            moe_implementation=moe_implementation,
-            scan_layers=scan_layers,
-        )
-        return nnx.split(model)[1]
-
-    return for_mesh(nnx.merge(graphdef, make()), mesh)
 
 
 def device_bytes(model, tp: int) -> int:

@@ -2,7 +2,7 @@
 
 `forward(tokens, positions, attention_fn=..., attention_state=...)` runs the
 model with attention delegated to `attention_fn(layer, q, k, v, state) -> (out,
-state)` for every layer (`layer` a `swajax.LayerRef`: a static layer with the same
+state)` for every layer (`layer` a `gemma.LayerRef`: a static layer with the same
 spec, and the layer's own index, traced inside a scanned run; q after q-norm and
 RoPE, k/v after k-norm, RoPE and value norm; k = v = None for KV-shared layers,
 which read their writer's KV through the hook). The layers of each repeating run
@@ -27,6 +27,7 @@ from flax import nnx
 
 from gemma._config import LayerRun, TransformerConfig
 from gemma._dense_attention import DenseAttentionState, dense_attention_fn
+from gemma._hook import LayerRef
 from gemma._layers import (
     Block,
     RMSNorm,
@@ -34,8 +35,8 @@ from gemma._layers import (
     _normal,
     check_moe_implementation,
 )
+from gemma._sharding import partition_specs
 from pallas_kernels.stacked_matmul import MAX_ROWS
-from swajax import LayerRef
 
 
 def _check_tokens(config: TransformerConfig, tokens, positions) -> None:
@@ -173,7 +174,7 @@ class Transformer(nnx.Module):
             ValueError when the ids are concrete.
           positions: i32, same shape as tokens.
           attention_fn: `fn(layer, q, k, v, state) -> (out, state)` with `layer` a
-            `swajax.LayerRef`; q [..., T, N, H],
+            `gemma.LayerRef`; q [..., T, N, H],
             k/v [..., T, K, H] or None for KV-shared layers, out [..., T, N, H].
           attention_state: any pytree threaded through the hook.
           logits_indices: optional i32[..., M] token indices (per row) whose logits
@@ -302,8 +303,6 @@ class Transformer(nnx.Module):
     def partition_specs(self, tp: int) -> nnx.State:
         """The PartitionSpec of every leaf of the model's state over tp tensor-parallel devices
         (mesh axis "model"; see `gemma._sharding`). ValueError when tp cannot split the heads."""
-        from gemma._sharding import partition_specs  # imports this module
-
         return partition_specs(self, tp)
 
     def for_tensor_parallel(self, tp: int) -> Transformer:

@@ -21,19 +21,28 @@ Conventions shared by every kernel (the contract with `swajax`):
   off a GPU) or "auto" (the kernel on a Hopper GPU where it supports the case).
 """
 
-from pallas_kernels.kv_write import kv_write, kv_write_reference
-from pallas_kernels.paged_attention import (
-    paged_decode_attention,
-    paged_decode_attention_reference,
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
+import importlib
 
-__all__ = [
-    "kv_write",
-    "kv_write_reference",
-    "paged_decode_attention",
-    "paged_decode_attention_reference",
-    "ragged_paged_attention",
-    "ragged_paged_attention_reference",
-]
+# Public names and the module each lives in, imported on first use: importing one kernel (or
+# `pallas_kernels._contract`, which the pool shares) does not import the others.
+_EXPORTS = {
+    "kv_write": "pallas_kernels.kv_write",
+    "kv_write_reference": "pallas_kernels.kv_write",
+    "paged_decode_attention": "pallas_kernels.paged_attention",
+    "paged_decode_attention_reference": "pallas_kernels.paged_attention",
+    "ragged_paged_attention": "pallas_kernels.paged_attention",
+    "ragged_paged_attention_reference": "pallas_kernels.paged_attention",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BAD = -1
+from pallas_kernels._contract import BAD  # noqa: F401  (re-exported for the kernels)
+
 POOL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn)
 IMPLEMENTATIONS = ("auto", "reference", "pallas")
 

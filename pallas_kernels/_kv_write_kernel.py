@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks
+from pallas_kernels._tokens import token_slots
 
 MAX_BOX = 256  # TMA: at most 256 elements along each box dimension
 MAX_BLOCK_TOKENS = 8
@@ -149,7 +150,6 @@ def _kv_write_jit(pool, slots, k, v, scales, *, convert, interpret):
 
 def kv_write_pallas(pool, page_table, k, v, q_starts, kv_lens, *, k_scale=None, v_scale=None):
     """Mosaic GPU kv_write (validated inputs; see `kv_write.py`). Returns the updated pool."""
-    from pallas_kernels.kv_write import token_slots
 
     if not supports(pool):
         _, _, num_kv_heads, head_dim = pool.shape

@@ -21,9 +21,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks
+from pallas_kernels._contract import MASK_VALUE
 
 ROWS = 64  # WGMMA M: rows of one warpgroup's query tile.
-MASK_VALUE = -1e30
+
 LOG2E = math.log2(math.e)
 SMEM_LIMIT = 227 * 1024
 SWIZZLE = 128

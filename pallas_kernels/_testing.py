@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-BAD = -1
+from pallas_kernels._contract import BAD
 
 
 @dataclasses.dataclass

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _checks
-from pallas_kernels._checks import BAD
+from pallas_kernels._contract import BAD, rotate
 
 # "auto" takes the kernel on a Hopper GPU: its compiled tests pass on the H200 and it beats
 # the reference (fresh 520 MB table: 130 vs 176 us of kernel time; in place 9-31 us).
@@ -83,16 +83,6 @@ __all__ = [
     "page_table_gather_reference",
     "rotate",
 ]
-
-
-def rotate(p, scale: int, layer_offset):
-    """Scratch rotation of relative block p: (index into the scratch slots, page within slot).
-
-    Works on Python ints, NumPy and jnp arrays. `scale` is even and `layer_offset` = 2*j + role,
-    so the page within the slot keeps the role's parity: V = K + 1.
-    """
-    t = p * 2
-    return t // scale, (t % scale + layer_offset) % scale
 
 
 def _ceil_div(a, b):

@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _checks
+from pallas_kernels._contract import MASK_VALUE  # masked logits: a row with no key weighs 0
 
-# Large finite negative for masked logits (a row with no visible key ends up with weight 0).
-MASK_VALUE = -1e30
 # A multiple of every query tile of the prefill kernel (128 rows up to head_dim 256, 64 at
 # 512). A query's output does not depend on where its sequence's new tokens start, as long as
 # they start at a multiple of it (bitwise; tests/test_paged_attention.py), which is what lets a

@@ -1,109 +1,41 @@
-"""swajax: a paged KV pool with sliding-window scratch reuse, and generation on it."""
+"""swajax: Gemma 3 / Gemma 4 served from a paged KV cache whose sliding-window layers share
+scratch KV storage during long prefills.
 
-from swajax._spec import LayerRef, LayerSpec
+The names here are what a user of the engine calls; the pool's algebra is `swajax.pool`, the
+JSONL batch runner `swajax.jsonl`, the memory plan `swajax.plan`, the command line
+`swajax.cli`. `docs/design.md` follows a request through the code. Names are imported on first
+use: importing the scheduler (pure Python) does not import JAX.
+"""
 
-__all__ = ["LayerRef", "LayerSpec"]
+import importlib
 
-# KV memory model: config, layout, state, transforms, scratch, budget.
-from swajax._budget import (  # noqa: E402
-    AdaptiveSplit,
-    KVBytes,
-    adaptive_split,
-    fitted_batch,
-    fitted_pool_ratio,
-    kv_bytes_per_sequence,
-    kv_quota_bytes,
-    plan_num_slots,
-    quota_for_tokens,
-    request_slots,
-    rows_held,
-)
-from swajax._config import KVCacheConfig, resolve_scratch_policy  # noqa: E402
-from swajax._layout import (  # noqa: E402
-    Converter,
-    GroupSpec,
-    KVLayout,
-    PoolSpec,
-    make_layout,
-)
-from swajax._scratch import (  # noqa: E402
-    BAD,
-    rotation_pages,
-    scratch_range,
-    stale_range,
-)
-from swajax._state import KVPoolState, init_state  # noqa: E402
-from swajax._transforms import (  # noqa: E402
-    StepMetadata,
-    advance,
-    free_rows,
-    free_slots,
-    layer_page_table,
-    reserve,
-    row_slots,
-    share_prefix,
-    slots_needed,
-    step_metadata,
-    step_page_tables,
-)
+# Public names and the module each lives in.
+_EXPORTS = {
+    "Engine": "swajax._engine",
+    "EngineConfig": "swajax._engine_config",
+    "KVCacheConfig": "swajax._config",
+    "RequestOutput": "swajax._requests",
+    "RunStats": "swajax._stats",
+    "SamplingParams": "swajax._sampling",
+    "TextChunk": "swajax._text",
+    "TextOutput": "swajax._text",
+    "generate": "swajax._generate",
+    "generate_text": "swajax._text",
+}
+_SUBMODULES = ("cli", "jsonl", "plan", "pool")
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
-__all__ += [
-    "AdaptiveSplit",
-    "BAD",
-    "Converter",
-    "GroupSpec",
-    "KVBytes",
-    "KVCacheConfig",
-    "KVLayout",
-    "KVPoolState",
-    "PoolSpec",
-    "StepMetadata",
-    "adaptive_split",
-    "advance",
-    "fitted_batch",
-    "fitted_pool_ratio",
-    "free_rows",
-    "free_slots",
-    "init_state",
-    "kv_bytes_per_sequence",
-    "kv_quota_bytes",
-    "layer_page_table",
-    "make_layout",
-    "plan_num_slots",
-    "quota_for_tokens",
-    "request_slots",
-    "rows_held",
-    "reserve",
-    "resolve_scratch_policy",
-    "rotation_pages",
-    "row_slots",
-    "scratch_range",
-    "share_prefix",
-    "slots_needed",
-    "stale_range",
-    "step_metadata",
-    "step_page_tables",
-]
 
-# Generation on the pool.
-from swajax._engine import Engine, RequestOutput, RunStats  # noqa: E402
-from swajax._generate import generate  # noqa: E402
-from swajax._ledger import SlotLedger  # noqa: E402
-from swajax._sampling import SamplingParams  # noqa: E402
-from swajax._scheduler import Request, Scheduler, StepPlan  # noqa: E402
-from swajax._text import TextChunk, TextOutput, generate_text  # noqa: E402
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"swajax.{name}")
+    else:
+        raise AttributeError(f"module 'swajax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-__all__ += [
-    "Engine",
-    "Request",
-    "RequestOutput",
-    "RunStats",
-    "SamplingParams",
-    "Scheduler",
-    "SlotLedger",
-    "StepPlan",
-    "TextChunk",
-    "TextOutput",
-    "generate",
-    "generate_text",
-]
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

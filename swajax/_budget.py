@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 import jax
 
+from gemma._hook import LayerSpec
 from swajax._config import KVCacheConfig
-from swajax._layout import KVLayout, make_layout
+from swajax._layout import KVLayout, build_layout, with_num_slots
 from swajax._ledger import row_peak_slots
-from swajax._spec import LayerSpec
 
 DEFAULT_FREE_MEMORY_FRACTION = 0.9
 CPU_FREE_BYTES_CAP = 2 * 1024**3  # without device memory stats (CPU): min(host available, 2 GiB)
@@ -491,7 +491,7 @@ def kv_bytes_per_sequence(
                 "the layout with scratch=True"
             )
     else:
-        layout = make_layout(
+        layout = build_layout(
             layout_or_specs,
             kv_cache_config or KVCacheConfig(),
             max_context=max(input_len, 1),
@@ -509,3 +509,58 @@ def kv_bytes_per_sequence(
         sum(n * b for n, b in zip(steady, size, strict=True)),
         sum(n * b for n, b in zip(peak, size, strict=True)),
     )
+
+
+class PoolSplit:
+    """The byte quota and its split across pool groups: pinned, or adaptive (re-split while
+    idle, see the module text); the admission headroom that goes with a split."""
+
+    def __init__(self, quota: int, adaptive: bool, fraction: float):
+        self.quota, self.adaptive, self.fraction = quota, adaptive, fraction
+        self.current = None  # the adaptive split in effect
+        self.headroom: tuple[int, ...] = ()
+
+    def check(self, layout, need, have, prompt_len: int, max_new_tokens: int) -> None:
+        """ValueError when a request needing `need` slots per group can never fit."""
+        what = f"a request of {prompt_len} prompt tokens + {max_new_tokens} new tokens"
+        fix = "raise max_gpu_total_bytes / free_gpu_memory_fraction or shorten the request"
+        if self.adaptive:  # the next split gives it what it needs if the quota holds that
+            nbytes = sum(n * layout.slot_bytes(g) for g, n in enumerate(need))
+            if nbytes > self.quota:
+                raise ValueError(
+                    f"{what} needs {nbytes} bytes of KV ({list(need)} slots per pool group) "
+                    f"but the quota is {self.quota} bytes; {fix}"
+                )
+            return
+        for g, (n, h) in enumerate(zip(need, have, strict=True)):
+            if n > h:
+                raise ValueError(
+                    f"{what} needs {n} slots of pool group {g} (life cycle "
+                    f"{layout.groups[g].life_cycle}) but the pool has {h}; {fix}"
+                )
+
+    def split(self, layout, requests, config):
+        """The slot counts the policy picks for these requests, or None to keep the split."""
+        split = adaptive_split(
+            layout,
+            requests,
+            self.quota,
+            chunk=config.max_num_tokens,
+            max_batch=config.max_batch,
+            current=self.current,
+            headroom=self.fraction,
+        )
+        if split is None:
+            return None
+        self.current = split
+        return tuple(split.num_slots)
+
+
+def make_layout(layer_specs, kv_cache_config: KVCacheConfig | None = None, **kw) -> KVLayout:
+    """The layout of a model's KV cache (`swajax._layout.build_layout`'s arguments) with, unless
+    `num_slots` is given, the slot counts the byte budget gives (`plan_num_slots`)."""
+    cfg = KVCacheConfig() if kv_cache_config is None else kv_cache_config
+    if kw.get("num_slots") is not None:
+        return build_layout(layer_specs, cfg, **kw)
+    layout = build_layout(layer_specs, cfg, **kw)
+    return with_num_slots(layout, plan_num_slots(layout, cfg))

@@ -10,7 +10,8 @@ import dataclasses
 import math
 from typing import Any
 
-import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 PAGE_TABLE_MODES = ("per_layer", "shared")
@@ -67,7 +68,7 @@ class KVCacheConfig:
     free_gpu_memory_fraction: float | None = None
     pool_ratio: tuple[float, ...] | str | None = None
     enable_swa_scratch_reuse: bool | None = None
-    dtype: Any = jnp.bfloat16
+    dtype: Any = ml_dtypes.bfloat16
     max_rewind: int = 0
     page_table_mode: str = "per_layer"
     expected_input_length: int | None = None
@@ -117,7 +118,7 @@ class KVCacheConfig:
                 f"{self.enable_swa_scratch_reuse!r}"
             )
         try:
-            dtype = jnp.dtype(self.dtype)
+            dtype = np.dtype(self.dtype)
         except TypeError:
             raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}") from None
         if dtype.name not in KV_DTYPES:

@@ -41,20 +41,18 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
 from swajax import _sharding, _validate
-from swajax._budget import adaptive_split, kv_quota_bytes, plan_num_slots, request_slots
+from swajax._budget import PoolSplit, kv_quota_bytes, plan_num_slots, request_slots
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
 from swajax._engine_config import EngineConfig
-from swajax._layout import make_layout, with_num_slots
-from swajax._ledger import SlotLedger
+from swajax._layout import build_layout, with_num_slots
 from swajax._model_runner import ModelRunner
-from swajax._replicas import Replicas
-from swajax._requests import Front, RequestOutput, Tracked
+from swajax._replicas import Replicas, make_scheduler
+from swajax._requests import Consumer, Front, RequestOutput, Tracked
 from swajax._sampling import SamplingParams, check_seed, request_key_data
-from swajax._scheduler import FINISHED, Request, Scheduler, default_headroom
-from swajax._stats import RunStats
+from swajax._scheduler import FINISHED, Request, default_headroom
+from swajax._stats import Recording, RunStats
 
 __all__ = ["Engine", "RequestOutput", "RunStats", "make_scheduler"]
 
@@ -106,7 +104,7 @@ class Engine:
         self.config = cfg
         self.vocab_size = model_config.vocab_size
         rows = cfg.max_batch + cfg.prefix_cache_rows
-        layout = make_layout(
+        layout = build_layout(
             model_config.layer_specs,
             kv,
             max_context=cfg.max_context,
@@ -117,7 +115,7 @@ class Engine:
             tp=tp,
         )
         # The quota is read once: a re-split pool must not see the old pool as used memory.
-        self.pool = _PoolSplit(kv_quota_bytes(kv), kv.adaptive_pool_ratio, cfg.admission_headroom)
+        self.pool = PoolSplit(kv_quota_bytes(kv), kv.adaptive_pool_ratio, cfg.admission_headroom)
         layout = with_num_slots(layout, plan_num_slots(layout, kv, self.pool.quota))
         graphdef, params = nnx.split(model)
         if param_specs is not None:
@@ -138,7 +136,7 @@ class Engine:
         )
         self._front = Front()
         self._step_lock = threading.Lock()
-        self._recordings: list[_Recording] = []  # open `recording` blocks
+        self._recordings: list[Recording] = []  # open `recording` blocks
         self._new_replicas()
         if cfg.precompile:
             self.runner.precompile()
@@ -457,7 +455,7 @@ class Engine:
         ids = [request_ids] if _validate.is_int(request_ids) else list(request_ids)
         with self._front.cond:
             stream = self._front.bind(ids)
-        return _Consumer(self, stream)
+        return Consumer(self, stream)
 
     def _consume(self, stream) -> Iterator[RequestOutput]:
         front = self._front
@@ -594,7 +592,7 @@ class Engine:
         stats.peak_slots = stats.slot_steps = (0,) * len(self.num_slots)
         stats.step_logits = [] if collect_logits else None
         with self._step_lock:
-            rec = _Recording(stats, ids, self.replicas.counters())
+            rec = Recording(stats, ids, self.replicas.counters())
             self._recordings.append(rec)
             self.runner.collect_logits = any(
                 r.stats.step_logits is not None for r in self._recordings
@@ -630,126 +628,11 @@ class Engine:
         return self.runner.lower(num_tokens, decode, lowering_platforms=lowering_platforms)
 
 
-class _Recording:
-    """An open `recording` block: its stats, the requests whose tokens it counts (None: all),
-    and the schedulers' counters when it opened."""
-
-    def __init__(self, stats: RunStats, ids: set | None, counters):
-        self.stats, self.ids, self.counters = stats, ids, counters
-
-    def on_output(self, r: Request, t: Tracked, now: float, logits, row: int, index: int):
-        if r.finish_reason == "error":
-            self.stats.errors += 1
-            return
-        self.stats.on_token(t.arrival, t.last, now)
-        if self.stats.step_logits is not None and logits is not None:
-            self.stats.step_logits.append((t.index, index, logits[row]))
-
-
 def _key_of_id(request_id: int):
     """A request's PRNG key data from its id (requests without a seed)."""
     return request_key_data(0, request_id)
 
 
-class _Consumer:
-    """The iterator `stream_requests` returns: the stream's generator, which also releases
-    the stream (aborting its requests) when closed or dropped before its first `next`."""
-
-    def __init__(self, engine: Engine, stream):
-        self._engine, self._stream = engine, stream
-        self._gen, self._started = engine._consume(stream), False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> RequestOutput:
-        self._started = True
-        return next(self._gen)
-
-    def close(self) -> None:
-        if self._started:
-            self._gen.close()
-        elif self._stream is not None:
-            self._engine._release(self._stream)
-        self._stream = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-
 def _final(r: Request) -> RequestOutput:
     """The last output of a finished request (no new tokens)."""
     return RequestOutput(r.id, (), tuple(r.output), True, r.finish_reason, r.error)
-
-
-class _PoolSplit:
-    """The byte quota and its split across pool groups: pinned, or adaptive (re-split while
-    idle, see the module text); the admission headroom that goes with a split."""
-
-    def __init__(self, quota: int, adaptive: bool, fraction: float):
-        self.quota, self.adaptive, self.fraction = quota, adaptive, fraction
-        self.current = None  # the adaptive split in effect
-        self.headroom: tuple[int, ...] = ()
-
-    def check(self, layout, need, have, prompt_len: int, max_new_tokens: int) -> None:
-        """ValueError when a request needing `need` slots per group can never fit."""
-        what = f"a request of {prompt_len} prompt tokens + {max_new_tokens} new tokens"
-        fix = "raise max_gpu_total_bytes / free_gpu_memory_fraction or shorten the request"
-        if self.adaptive:  # the next split gives it what it needs if the quota holds that
-            nbytes = sum(n * layout.slot_bytes(g) for g, n in enumerate(need))
-            if nbytes > self.quota:
-                raise ValueError(
-                    f"{what} needs {nbytes} bytes of KV ({list(need)} slots per pool group) "
-                    f"but the quota is {self.quota} bytes; {fix}"
-                )
-            return
-        for g, (n, h) in enumerate(zip(need, have, strict=True)):
-            if n > h:
-                raise ValueError(
-                    f"{what} needs {n} slots of pool group {g} (life cycle "
-                    f"{layout.groups[g].life_cycle}) but the pool has {h}; {fix}"
-                )
-
-    def split(self, layout, requests, config: EngineConfig):
-        """The slot counts the policy picks for these requests, or None to keep the split."""
-        split = adaptive_split(
-            layout,
-            requests,
-            self.quota,
-            chunk=config.max_num_tokens,
-            max_batch=config.max_batch,
-            current=self.current,
-            headroom=self.fraction,
-        )
-        if split is None:
-            return None
-        self.current = split
-        return tuple(split.num_slots)
-
-
-def make_scheduler(
-    layout,
-    *,
-    serving_rows: int,
-    max_num_tokens: int,
-    chunk: int,
-    headroom,
-    max_shares: int = 0,
-    batch_invariant: bool = False,
-) -> Scheduler:
-    """The engine's scheduler over a fresh `SlotLedger` of `layout` (also what a host-only
-    simulation of the engine plans with): mixed steps, or with `batch_invariant` one kind of
-    rows per step and chunks cut only at multiples of `PREFILL_QUERY_TILE`."""
-    return Scheduler(
-        SlotLedger(layout),
-        serving_rows=serving_rows,
-        max_num_tokens=max_num_tokens,
-        chunk=chunk,
-        headroom=headroom,
-        max_shares=max_shares,
-        mixed_steps=not batch_invariant,
-        cut_align=PREFILL_QUERY_TILE if batch_invariant else 0,
-    )

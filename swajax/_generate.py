@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
@@ -9,8 +10,8 @@ import jax
 from flax import nnx
 
 from swajax import _validate
-from swajax._config import KVCacheConfig
 from swajax._engine import Engine
+from swajax._engine_config import EngineConfig
 from swajax._sampling import SamplingParams
 
 
@@ -79,16 +80,11 @@ def generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
-    kv_cache_config: KVCacheConfig | None = None,
-    prefill_chunk_size: int | None = None,
+    config: EngineConfig | None = None,
     sampling: SamplingParams | None = None,
     seed: int = 0,
-    implementation: str = "auto",
-    max_batch: int | None = None,
-    max_num_tokens: int | None = None,
-    prefix_cache_rows: int = 0,
     stop_token_ids=(),
-    mesh=None,
+    **settings,
 ) -> list[list[int]]:
     """Generates up to `max_new_tokens` token ids for each prompt on a paged KV cache.
 
@@ -96,21 +92,13 @@ def generate(
       model: e.g. a `gemma.Transformer`.
       prompts: a list of token-id lists (ragged lengths).
       max_new_tokens: tokens generated per prompt (fewer if a stop token comes first).
-      kv_cache_config: page size, byte quota, scratch reuse, KV dtype... (default
-        `KVCacheConfig()`).
-      prefill_chunk_size: most prompt tokens of one sequence in one step.
+      config: the engine's `EngineConfig` (default `EngineConfig()`); `settings` are fields of
+        it that replace config's (e.g. `kv_cache=KVCacheConfig(page_size=16)`, `max_batch=8`).
+        max_context, if unset, is the longest request rounded up; max_batch, if unset,
+        `kv_cache.max_batch` or 16, never more than a replica's share of the prompts.
       sampling: `SamplingParams` (default greedy).
       seed: PRNG seed of sampling (request i draws from a key of (seed, i)).
-      implementation: attention kernels, "reference", "pallas" or "auto".
-      max_batch: sequences served at once per replica (default kv_cache_config.max_batch,
-        else min(len(prompts), 16); never more than a replica's share of the prompts). More
-        prompts than rows, or than the pool holds, are served as rows and slots free up.
-      max_num_tokens: token budget of one step (see `Engine`).
-      prefix_cache_rows: rows that park shared prompt prefixes so that prompts sharing a
-        block-aligned prefix skip its prefill (see `Engine`); 0 disables the prefix cache.
       stop_token_ids: tokens that end a sequence (returned as its last token).
-      mesh: a `jax.sharding.Mesh` with a "model" axis (tensor parallelism) and optionally a
-        "data" axis (replicas serving disjoint prompts), or None for one device (see `Engine`).
 
     Returns:
       The generated token ids of each prompt, in order.
@@ -123,15 +111,7 @@ def generate(
         prompts, model.config.vocab_size, model.config.max_context, max_new_tokens
     )
     engine = cached_engine(
-        model,
-        [len(p) + max_new_tokens for p in prompts],
-        kv_cache_config=kv_cache_config,
-        prefill_chunk_size=prefill_chunk_size,
-        implementation=implementation,
-        max_batch=max_batch,
-        max_num_tokens=max_num_tokens,
-        prefix_cache_rows=prefix_cache_rows,
-        mesh=mesh,
+        model, [len(p) + max_new_tokens for p in prompts], EngineConfig.of(config, **settings)
     )
     outputs, _ = engine.run(
         prompts, max_new_tokens, sampling=sampling, seed=seed, stop_token_ids=stop_token_ids
@@ -139,48 +119,24 @@ def generate(
     return outputs
 
 
-def cached_engine(
-    model,
-    request_lengths: list[int],
-    *,
-    kv_cache_config: KVCacheConfig | None = None,
-    prefill_chunk_size: int | None = None,
-    implementation: str = "auto",
-    max_batch: int | None = None,
-    max_num_tokens: int | None = None,
-    prefix_cache_rows: int = 0,
-    mesh=None,
-) -> Engine:
-    """The engine that serves requests of `request_lengths` tokens (prompt + new tokens).
-
-    The kept engine (`ENGINE_CACHE`) when its settings match and its context and rows suffice,
-    else a new one, which is then kept. Rows per replica: max_batch (default
-    kv_cache_config.max_batch, else 16), never more than a replica's share of the requests;
-    context: the longest request rounded up to a
-    power-of-two number of blocks, at most the model's. The other arguments: see `generate`.
-    """
-    cfg = kv_cache_config or KVCacheConfig()
-    config = model.config
-    if max_batch is not None:
-        max_batch = _validate.positive_int("max_batch", max_batch)
-    replicas = 1 if mesh is None else dict(mesh.shape).get("data", 1)
-    rows = min(max_batch or cfg.max_batch or 16, -(-len(request_lengths) // replicas))
-    max_context = min(_round_context(max(request_lengths), cfg.page_size), config.max_context)
-    key = (cfg, max_num_tokens, prefill_chunk_size, implementation, prefix_cache_rows, mesh)
+def cached_engine(model, request_lengths: list[int], config: EngineConfig | None = None) -> Engine:
+    """The engine that serves requests of `request_lengths` tokens (prompt + new tokens) with
+    `config`: the kept engine (`ENGINE_CACHE`) when its config matches and its context and rows
+    suffice, else a new one, which is then kept. Unset in config: max_batch (per replica)
+    `kv_cache.max_batch` or 16, never more than a replica's share of the requests; max_context
+    the longest request rounded up to a power-of-two number of blocks, at most the model's."""
+    config = EngineConfig() if config is None else config
+    cfg = config.kv_cache
+    replicas = 1 if config.mesh is None else dict(config.mesh.shape).get("data", 1)
+    rows = min(config.max_batch or cfg.max_batch or 16, -(-len(request_lengths) // replicas))
+    max_context = config.max_context or min(
+        _round_context(max(request_lengths), cfg.page_size), model.config.max_context
+    )
+    key = dataclasses.replace(config, max_batch=None, max_context=None)
     return ENGINE_CACHE.get(
         model,
         key,
         max_context,
         rows,
-        lambda: Engine(
-            model,
-            cfg,
-            max_context=max_context,
-            max_batch=rows,
-            max_num_tokens=max_num_tokens,
-            prefill_chunk_size=prefill_chunk_size,
-            implementation=implementation,
-            prefix_cache_rows=prefix_cache_rows,
-            mesh=mesh,
-        ),
+        lambda: Engine(model, config, max_context=max_context, max_batch=rows),
     )

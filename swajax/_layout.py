@@ -17,7 +17,7 @@ Structure (DESIGN.md section 2):
     KV-shared layers (spec.kv_source != own index) own no pages and use their writer's converter.
 
 Engine interface (all in `swajax`):
-  layout = make_layout(specs, KVCacheConfig(...), max_context=..., max_batch=...)
+  layout = build_layout(specs, KVCacheConfig(...), max_context=..., max_batch=...)
   state = init_state(layout)
   ok, state = reserve(layout, state, new_tokens)       # i32[batch]; before the forward
   tables = step_page_tables(layout, state)             # per pool i32[L_p, batch, 2, max_blocks]
@@ -39,11 +39,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (numpy learns bfloat16 and float8)
+import numpy as np
 
+from gemma._hook import LayerSpec
+from gemma._mesh import stored_kv_heads
 from swajax._config import KVCacheConfig, resolve_scratch_policy
 from swajax._scratch import ceil_div, scratch_slot_count
-from swajax._spec import LayerSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,26 +58,9 @@ class Converter:
 
     def page(self, slot):
         """The page of base slot `slot` (int or array); BAD passes through unchanged."""
+        import jax.numpy as jnp  # the pool's bookkeeping on the host imports no JAX
+
         return jnp.where(slot == -1, -1, slot * self.scale + self.layer_offset)
-
-
-def stored_kv_heads(num_kv_heads: int, tp: int) -> int:
-    """KV heads of a pool root split over `tp` tensor-parallel devices (one device: all).
-
-    `num_kv_heads % tp == 0`: the heads themselves, `num_kv_heads / tp` per device.
-    `tp % num_kv_heads == 0`: `tp` heads, KV head h repeated at stored heads
-    [h * tp / K, (h + 1) * tp / K), one per device: each device holds the one KV head its
-    query heads read (query head n reads KV head n // (N / K)), so K = 1 is full replication.
-    Any other pair cannot give every device whole KV heads: ValueError.
-    """
-    if num_kv_heads % tp == 0:
-        return num_kv_heads
-    if tp % num_kv_heads == 0:
-        return tp
-    raise ValueError(
-        f"tensor-parallel size {tp} (the mesh's 'model' axis) must divide the {num_kv_heads} KV "
-        f"heads of a pool or be a multiple of {num_kv_heads}"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +108,7 @@ class PoolSpec:
 
     def bytes_per_token_per_layer(self) -> int:
         """K + V bytes of one token of one layer of this pool, on one device."""
-        return 2 * self.device_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * self.device_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +262,7 @@ def _check_shared_kv_scratch(specs, layer_pool, pools) -> None:
             )
 
 
-def make_layout(
+def build_layout(
     layer_specs: Sequence[LayerSpec],
     kv_cache_config: KVCacheConfig | None = None,
     *,
@@ -288,7 +273,8 @@ def make_layout(
     scratch: bool | None = None,
     tp: int = 1,
 ) -> KVLayout:
-    """Builds the layout of a model's KV cache.
+    """Builds the layout of a model's KV cache with `num_slots` (1 per group by default; the
+    byte budget's counts: `swajax._budget.make_layout`).
 
     Args:
       layer_specs: one `LayerSpec` per model layer, in execution order.
@@ -297,8 +283,7 @@ def make_layout(
       max_batch: rows of the batch; default `kv_cache_config.max_batch` (one must be given).
       max_chunk: bound on new tokens per row per step for scratch descriptors; default
         `kv_cache_config.chunk_size`, else max_context.
-      num_slots: slots per pool group, or one int for every group (overrides the byte budget;
-        tests and tools). Default: the budget (`swajax._budget.plan_num_slots`).
+      num_slots: slots per pool group, or one int for every group (default 1).
       scratch: the resolved scratch policy; None -> `resolve_scratch_policy(kv_cache_config)`
         for a text model with a per-layer backend.
       tp: tensor-parallel devices each pool root's KV heads are split over (see
@@ -396,11 +381,7 @@ def make_layout(
         layer_pool=layer_pool,
         tp=tp,
     )
-    if num_slots is None:
-        from swajax._budget import plan_num_slots  # the budget reads the slot-free layout
-
-        num_slots = plan_num_slots(layout, cfg)
-    return with_num_slots(layout, num_slots)
+    return with_num_slots(layout, 1 if num_slots is None else num_slots)
 
 
 def with_num_slots(layout: KVLayout, num_slots: int | Sequence[int]) -> KVLayout:

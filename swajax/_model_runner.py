@@ -33,7 +33,6 @@ from swajax import _sharding
 from swajax._layout import KVLayout
 from swajax._runner import (
     bookkeeping_step,
-    initial_tables,
     sharded_bookkeeping_step,
     step_function,
     step_input_shapes,
@@ -42,7 +41,7 @@ from swajax._runner import (
 )
 from swajax._sampling import step_mode
 from swajax._scheduler import StepPlan
-from swajax._state import init_state
+from swajax._state import init_state, initial_tables
 from swajax._step_cache import CachedStep, resolve
 
 MIN_BUCKET = 8  # token axis granularity of every step (the decode step's rows)

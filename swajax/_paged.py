@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from gemma._hook import LayerRef
+from gemma._mesh import MODEL
 from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention
 from swajax._layout import KVLayout, PoolSpec
-from swajax._sharding import MODEL
-from swajax._spec import LayerRef
 from swajax._transforms import StepMetadata, layer_page_table
 
 

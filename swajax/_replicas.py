@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from pallas_kernels.paged_attention import PREFILL_QUERY_TILE
 from swajax._ledger import SlotLedger
 from swajax._scheduler import Request, Scheduler, SchedulerCounters, StepPlan
 
@@ -102,3 +103,28 @@ class Replicas:
     def clear_cache(self) -> None:
         for s in self.schedulers:
             s.clear_cache()
+
+
+def make_scheduler(
+    layout,
+    *,
+    serving_rows: int,
+    max_num_tokens: int,
+    chunk: int,
+    headroom,
+    max_shares: int = 0,
+    batch_invariant: bool = False,
+) -> Scheduler:
+    """The engine's scheduler over a fresh `SlotLedger` of `layout` (also what a host-only
+    simulation of the engine plans with): mixed steps, or with `batch_invariant` one kind of
+    rows per step and chunks cut only at multiples of `PREFILL_QUERY_TILE`."""
+    return Scheduler(
+        SlotLedger(layout),
+        serving_rows=serving_rows,
+        max_num_tokens=max_num_tokens,
+        chunk=chunk,
+        headroom=headroom,
+        max_shares=max_shares,
+        mixed_steps=not batch_invariant,
+        cut_align=PREFILL_QUERY_TILE if batch_invariant else 0,
+    )

@@ -139,3 +139,32 @@ class Front:
     def take_unclaimed(self) -> list[RequestOutput]:
         out, self.unclaimed = self.unclaimed, []
         return out
+
+
+class Consumer:
+    """The iterator `stream_requests` returns: the stream's generator, which also releases
+    the stream (aborting its requests) when closed or dropped before its first `next`."""
+
+    def __init__(self, engine, stream):
+        self._engine, self._stream = engine, stream
+        self._gen, self._started = engine._consume(stream), False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        self._started = True
+        return next(self._gen)
+
+    def close(self) -> None:
+        if self._started:
+            self._gen.close()
+        elif self._stream is not None:
+            self._engine._release(self._stream)
+        self._stream = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

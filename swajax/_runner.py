@@ -38,7 +38,6 @@ from swajax._layout import KVLayout
 from swajax._paged import make_attention_fn, token_positions
 from swajax._sampling import sample, token_keys
 from swajax._scheduler import StepPlan
-from swajax._scratch import BAD
 from swajax._state import KVPoolState
 from swajax._transforms import (
     advance,
@@ -274,14 +273,6 @@ def sharded_bookkeeping_step(layout: KVLayout, mesh):
         out_shardings=(replica, _sharding.state_shardings(layout, mesh)),
         compiler_options=dict(STEP_COMPILER_OPTIONS),
     )
-
-
-def initial_tables(layout: KVLayout):
-    """All-BAD per-pool page tables, the `tables` of a first step (None in shared mode)."""
-    if layout.page_table_mode != "per_layer":
-        return None
-    shape = (layout.max_batch, 2, layout.max_blocks)
-    return tuple(jnp.full((p.num_layers, *shape), BAD, jnp.int32) for p in layout.pools)
 
 
 def _share_array(shares, size: int) -> np.ndarray:

@@ -497,7 +497,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Plans the next step (mutating the ledger as the step will); None if idle."""
-        plan = StepPlan(self._steps, {}, {}, {}, free_a=self._free_next)
+        step = _Step(StepPlan(self._steps, {}, {}, {}, free_a=self._free_next), self)
         self._free_next = []
         for r in self.running:
             if r.num_generated >= r.max_new_tokens:
@@ -505,66 +505,84 @@ class Scheduler:
         for r in [r for r in self.running if r.done_scheduling]:
             self.running.remove(r)
             self._release.append(r)
-        used_sources: set[PrefixEntry] = set()
-        self._release_rows(plan, used_sources)
-        planned = [0] * len(self.ledger.free)
-        budget = self.max_num_tokens
-
-        def take(r: Request, n: int) -> None:
-            nonlocal budget
-            need = self._need(r.row, n)
-            for g, x in enumerate(need):
-                planned[g] += x
-            plan.new_tokens[r.row] = n
-            budget -= n
-
-        def run(rows: list[Request], kept: Sequence[Request] = ()) -> None:
-            """Schedules running rows in order; a row that does not fit makes room by evicting,
-            then by preempting the newest running request neither scheduled nor in `kept`."""
-            for r in rows:
-                if r not in self.running or budget == 0:
-                    continue
-                want = self._tokens_within(r, budget)
-                if want == 0:
-                    continue  # without mixed steps: it waits for the next prefill step
-                while True:
-                    n = self._largest_fit(r.row, want, planned)
-                    if not self.mixed_steps and n < want:
-                        n = 0  # not cut to the free slots either: make room for all of it
-                    if n > 0:
-                        take(r, n)
-                        break
-                    if self._evict(plan, used_sources):
-                        continue
-                    newest = next(
-                        x
-                        for x in reversed(self.running)
-                        if x.row not in plan.new_tokens and x not in kept
-                    )
-                    self._preempt(newest, plan)
-                    if newest is r:
-                        break
-
+        self._release_rows(step.plan, step.used_sources)
         # 1-2. running requests: decode first, then prefill chunks; make room by preempting
         decode = [r for r in self.running if r.length - r.fed == 1]
         prefill = [r for r in self.running if r.length - r.fed > 1]
         prefill_step = not self.mixed_steps and not (decode and self._prefill_last)
         if self.mixed_steps:
-            run(decode + prefill)
+            self._run_rows(step, decode + prefill)
         elif prefill_step:  # the decode rows wait, the slots of their next token kept free
             for r in decode:
                 for g, x in enumerate(self._need(r.row, 1)):
-                    planned[g] += x
-            run(prefill, kept=decode)
+                    step.planned[g] += x
+            self._run_rows(step, prefill, kept=decode)
         else:
-            run(decode)
-
+            self._run_rows(step, decode)
         # 3. admission
+        if self.mixed_steps or prefill_step:
+            self._admit(step)
+        plan = step.plan
+        if prefill_step and not plan.new_tokens and decode:  # no prefill row runs: decode
+            prefill_step = False
+            step.planned[:] = [0] * len(step.planned)
+            self._run_rows(step, decode)
+        plan.prefill_step = prefill_step and bool(plan.new_tokens)
+        self._prefill_last = plan.prefill_step
+        if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
+            return None
+        parks = self._boundary_parks(step)
+        ok = self.ledger.reserve(plan.new_tokens)
+        assert ok, plan.new_tokens
+        plan.used = self.ledger.used()
+        self.ledger.advance()
+        for r, target in parks:
+            k = r.park_at
+            ok = self.ledger.share(r.row, target, k)
+            assert ok, (r.row, target, k)
+            self.cache.add(target, r.tokens(0, k), "boundary")
+            plan.shares_b.append((r.row, target, k))
+            r.park_at = 0
+        self._feed(plan)
+        self._steps += 1
+        return plan
+
+    def _run_rows(self, step: _Step, rows: list[Request], kept: Sequence[Request] = ()) -> None:
+        """Schedules running rows in order; a row that does not fit makes room by evicting,
+        then by preempting the newest running request neither scheduled nor in `kept`."""
+        plan = step.plan
+        for r in rows:
+            if r not in self.running or step.budget == 0:
+                continue
+            want = self._tokens_within(r, step.budget)
+            if want == 0:
+                continue  # without mixed steps: it waits for the next prefill step
+            while True:
+                n = self._largest_fit(r.row, want, step.planned)
+                if not self.mixed_steps and n < want:
+                    n = 0  # not cut to the free slots either: make room for all of it
+                if n > 0:
+                    step.take(r, n)
+                    break
+                if self._evict(plan, step.used_sources):
+                    continue
+                newest = next(
+                    x
+                    for x in reversed(self.running)
+                    if x.row not in plan.new_tokens and x not in kept
+                )
+                self._preempt(newest, plan)
+                if newest is r:
+                    break
+
+    def _admit(self, step: _Step) -> None:
+        """Admits waiting requests in arrival order while rows, budget and slots last (see the
+        module text), each from the longest cached prefix of its tokens."""
+        plan = step.plan
         commitments = self._prefill_commitments(plan)
         free_rows = [b for b in range(self.serving_rows) if self.rows[b] is None]
         blocked_rows = set(plan.free_b)  # freed after shares_a: no cached prefix into them
-        admit = self.mixed_steps or prefill_step
-        while admit and self.waiting and budget > 0 and free_rows:
+        while self.waiting and step.budget > 0 and free_rows:
             r = self.waiting[0]
             if r.pending:  # its last token is still in flight: recompute once it is read
                 break
@@ -588,9 +606,9 @@ class Scheduler:
             headroom = self.headroom if self.running else None
             # The first step as the budget allows, never cut to the free slots (a sliver of a
             # prefill would hold slots only to be preempted as its neighbours grow).
-            n = self._tokens_within(r, budget)  # 0: it waits for the next prefill step
-            protect = used_sources | ({hit} if hit else set())
-            while n and not self._admits(planned, r, n, headroom, commitments):
+            n = self._tokens_within(r, step.budget)  # 0: it waits for the next prefill step
+            protect = step.used_sources | ({hit} if hit else set())
+            while n and not self._admits(step.planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):
                     n = 0
                     break
@@ -603,29 +621,21 @@ class Scheduler:
             free_rows.remove(row)
             self.running.append(r)
             if hit is not None:
-                used_sources.add(hit)
+                step.used_sources.add(hit)
                 self.cache.touch(hit, hit=True)
                 plan.shares_a.append((hit.row, row, k))
                 r.prefix_hit_tokens = k
                 self.counters.prefix_hits += 1
                 self.counters.prefix_tokens += k
-            take(r, n)
+            step.take(r, n)
             commitments = self._prefill_commitments(plan)  # later admissions leave it room
 
-        if prefill_step and not plan.new_tokens and decode:  # no prefill row runs: decode
-            prefill_step = False
-            planned[:] = [0] * len(planned)
-            run(decode)
-        plan.prefill_step = prefill_step and bool(plan.new_tokens)
-        self._prefill_last = plan.prefill_step
-
-        if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
-            return None
-        # boundary parks: a cache row for each prefill that reaches its park_at this step, unless
-        # its prefix is parked already (the cache holds one entry per prefix: e.g. a finished
-        # history parked above, or another row's park this step)
+    def _boundary_parks(self, step: _Step) -> list[tuple[Request, int]]:
+        """A cache row for each prefill that reaches its park_at this step, unless its prefix
+        is parked already (the cache holds one entry per prefix: e.g. a finished history parked
+        above, or another row's park this step)."""
         parks = []
-        for row, n in plan.new_tokens.items():
+        for row, n in step.plan.new_tokens.items():
             r = self.rows[row]
             if r.park_at and r.fed + n == r.park_at and len(parks) < self.max_shares:
                 prefix = r.tokens(0, r.park_at)
@@ -633,22 +643,16 @@ class Scheduler:
                     other.tokens(0, other.park_at) == prefix for other, _ in parks
                 )
                 taken = {t for _, t in parks}
-                target = None if parked else self._park_target(plan, used_sources, taken)
+                target = None if parked else self._park_target(step.plan, step.used_sources, taken)
                 if target is not None:
                     parks.append((r, target))
                 else:
                     r.park_at = 0
-        ok = self.ledger.reserve(plan.new_tokens)
-        assert ok, plan.new_tokens
-        plan.used = self.ledger.used()
-        self.ledger.advance()
-        for r, target in parks:
-            k = r.park_at
-            ok = self.ledger.share(r.row, target, k)
-            assert ok, (r.row, target, k)
-            self.cache.add(target, r.tokens(0, k), "boundary")
-            plan.shares_b.append((r.row, target, k))
-            r.park_at = 0
+        return parks
+
+    def _feed(self, plan: StepPlan) -> None:
+        """The token ids each row feeds (None: its previous sample, read on the device) and
+        the rows that draw a token."""
         for row, n in plan.new_tokens.items():
             r = self.rows[row]
             known = len(r.prompt) + len(r.output)
@@ -658,8 +662,24 @@ class Scheduler:
             if r.fed == r.length:
                 plan.samples[row] = (r, r.num_generated)
                 r.num_generated += 1
-        self._steps += 1
-        return plan
+
+
+class _Step:
+    """The working state of one `Scheduler.schedule` call: the plan, the slots planned per
+    group, the token budget left, and the cache entries this step reads."""
+
+    def __init__(self, plan: StepPlan, scheduler: Scheduler):
+        self.plan, self._scheduler = plan, scheduler
+        self.planned = [0] * len(scheduler.ledger.free)
+        self.budget = scheduler.max_num_tokens
+        self.used_sources: set[PrefixEntry] = set()
+
+    def take(self, r: Request, n: int) -> None:
+        """Row r feeds n tokens this step."""
+        for g, x in enumerate(self._scheduler._need(r.row, n)):
+            self.planned[g] += x
+        self.plan.new_tokens[r.row] = n
+        self.budget -= n
 
 
 def default_headroom(num_slots: Sequence[int], fraction: float = 0.01) -> tuple[int, ...]:

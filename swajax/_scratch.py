@@ -13,7 +13,7 @@ import types
 
 import numpy as np
 
-from pallas_kernels.page_table_gather import BAD, rotate
+from pallas_kernels._contract import BAD, rotate
 
 __all__ = [
     "BAD",

@@ -45,68 +45,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gemma._mesh import DATA, MODEL, check_heads, mesh_sizes, serving_mesh  # noqa: F401
 from swajax._layout import KVLayout
-from swajax._state import KVPoolState, init_state
-
-DATA, MODEL = "data", "model"
-
-
-def serving_mesh(mesh) -> Mesh:
-    """The mesh with axes ("data", "model"), both Auto; ValueError for a mesh without "model".
-
-    Axes other than "data" and "model" must have size 1 (they are dropped).
-    """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    names = tuple(mesh.axis_names)
-    if MODEL not in names:
-        raise ValueError(
-            f"the mesh needs an axis {MODEL!r} (tensor parallelism; optionally {DATA!r} for "
-            f"replicas), got axes {names} of sizes {tuple(mesh.devices.shape)}"
-        )
-    extra = {n: s for n, s in zip(names, mesh.devices.shape, strict=True) if n not in (DATA, MODEL)}
-    if any(s > 1 for s in extra.values()):
-        raise ValueError(
-            f"the mesh may have only the axes {DATA!r} and {MODEL!r} of size > 1, got {extra}"
-        )
-    order = [names.index(MODEL)] + [names.index(n) for n in extra]
-    if DATA in names:
-        order.insert(0, names.index(DATA))
-    devices = np.transpose(mesh.devices, order).reshape(-1, mesh.shape[MODEL])
-    return Mesh(devices, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
-    """(dp, tp) of a `serving_mesh`."""
-    return mesh.shape[DATA], mesh.shape[MODEL]
-
-
-def check_heads(tp: int, num_heads: int, kv_heads=()) -> None:
-    """ValueError unless tp devices can split `num_heads` query heads and every KV head count.
-
-    Query heads are split evenly (tp divides them); KV heads are split (tp divides K) or
-    repeated (K divides tp), see `swajax._layout.stored_kv_heads`.
-    """
-    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-    if tp > num_heads:
-        raise ValueError(
-            f"tensor-parallel size {tp} (the mesh's 'model' axis) exceeds the model's "
-            f"{num_heads} query heads: more devices than heads; use one of {divisors}"
-        )
-    if num_heads % tp:
-        raise ValueError(
-            f"tensor-parallel size {tp} (the mesh's 'model' axis) does not divide the model's "
-            f"{num_heads} query heads; use one of {divisors}"
-        )
-    from swajax._layout import stored_kv_heads
-
-    for k in sorted(set(kv_heads)):
-        stored_kv_heads(k, tp)
-
+from swajax._state import KVPoolState, init_state, initial_tables
 
 # ----------------------------------------------------------------------------- pool state
 
@@ -147,7 +91,6 @@ def initial_tables_sharded(layout: KVLayout, mesh: Mesh):
     """`initial_tables` of every replica, concatenated (None in shared mode)."""
     if layout.page_table_mode != "per_layer":
         return None
-    from swajax._runner import initial_tables  # the runner imports this module
 
     dp, _ = mesh_sizes(mesh)
     make = jax.jit(

@@ -96,3 +96,11 @@ def init_state(layout: KVLayout, *, k_scales=None, v_scales=None) -> KVPoolState
         scratch_range=tuple(jnp.full((b, 2), BAD, jnp.int32) for _ in layout.groups),
         scratch_slots=tuple(jnp.full((b, g.scratch_slots), BAD, jnp.int32) for g in layout.groups),
     )
+
+
+def initial_tables(layout: KVLayout):
+    """All-BAD per-pool page tables, the `tables` of a first step (None in shared mode)."""
+    if layout.page_table_mode != "per_layer":
+        return None
+    shape = (layout.max_batch, 2, layout.max_blocks)
+    return tuple(jnp.full((p.num_layers, *shape), BAD, jnp.int32) for p in layout.pools)

@@ -102,3 +102,19 @@ class RunStats:
         (self.ttft_s if last is None else self.itl_s).append(
             now - arrival if last is None else now - last
         )
+
+
+class Recording:
+    """An open `recording` block: its stats, the requests whose tokens it counts (None: all),
+    and the schedulers' counters when it opened."""
+
+    def __init__(self, stats: RunStats, ids: set | None, counters):
+        self.stats, self.ids, self.counters = stats, ids, counters
+
+    def on_output(self, r, t, now: float, logits, row: int, index: int):
+        if r.finish_reason == "error":
+            self.stats.errors += 1
+            return
+        self.stats.on_token(t.arrival, t.last, now)
+        if self.stats.step_logits is not None and logits is not None:
+            self.stats.step_logits.append((t.index, index, logits[row]))

@@ -22,8 +22,8 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from swajax import _validate
-from swajax._config import KVCacheConfig
 from swajax._engine import Engine, RequestOutput
+from swajax._engine_config import EngineConfig
 from swajax._generate import cached_engine, validate_prompts
 from swajax._sampling import SamplingParams, check_seed
 
@@ -221,12 +221,8 @@ def generate_text(
     seed: int = 0,
     stop_token_ids=None,
     skip_special_tokens: bool = True,
-    kv_cache_config: KVCacheConfig | None = None,
-    prefill_chunk_size: int | None = None,
-    implementation: str = "auto",
-    max_batch: int | None = None,
-    max_num_tokens: int | None = None,
-    prefix_cache_rows: int = 0,
+    config: EngineConfig | None = None,
+    **settings,
 ) -> list[TextOutput] | Iterator[TextChunk]:
     """Generates text for each prompt on the paged KV cache (`swajax.generate` on text).
 
@@ -246,9 +242,8 @@ def generate_text(
       stop_token_ids: ids that end a request (default: `tokenizer.eos_token_ids`, EOS and end
         of turn).
       skip_special_tokens: leave special tokens out of the text (default True).
-      kv_cache_config, prefill_chunk_size, implementation, max_batch, max_num_tokens,
-        prefix_cache_rows: as `swajax.generate` (the same kept
-        engine serves both).
+      config, **settings: the `EngineConfig`, as `swajax.generate` (the same kept engine
+        serves both).
 
     Returns:
       One `TextOutput` per prompt, in order; with stream=True an iterator of `TextChunk`s.
@@ -279,14 +274,7 @@ def generate_text(
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     engine = cached_engine(
-        model,
-        [len(p) + max_new_tokens for p in ids],
-        kv_cache_config=kv_cache_config,
-        prefill_chunk_size=prefill_chunk_size,
-        implementation=implementation,
-        max_batch=max_batch,
-        max_num_tokens=max_num_tokens,
-        prefix_cache_rows=prefix_cache_rows,
+        model, [len(p) + max_new_tokens for p in ids], EngineConfig.of(config, **settings)
     )
     for i, p in enumerate(ids):
         try:

@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma._hook import LayerRef
 from pallas_kernels.page_table_gather import page_table_gather
 from swajax._layout import KVLayout
 from swajax._scratch import BAD, ceil_div, scratch_range, scratch_slot_count, stale_range
-from swajax._spec import LayerRef
 from swajax._state import KVPoolState
 
 __all__ = [

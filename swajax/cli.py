@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from swajax._config import KVCacheConfig
+from swajax._engine_config import EngineConfig
 from swajax._sampling import SamplingParams, check_seed
 from swajax.jsonl import DEFAULT_MAX_NEW_TOKENS, GenerateSummary, check_files, generate_jsonl
 from swajax.plan import DEFAULT_CHUNK, DEFAULT_INFO_LENGTH, format_plan, memory_plan
@@ -278,12 +279,14 @@ def run(argv=None) -> GenerateSummary | dict:
         seed=args.seed,
         chat=args.chat,
         resume=args.resume,
-        kv_cache_config=cfg,
-        max_batch=args.max_batch,
-        max_num_tokens=args.max_num_tokens,
-        prefill_chunk_size=args.prefill_chunk,
-        implementation=args.implementation,
         progress=not args.no_progress,
+        config=EngineConfig(
+            kv_cache=cfg,
+            max_batch=args.max_batch,
+            max_num_tokens=args.max_num_tokens,
+            prefill_chunk_size=args.prefill_chunk,
+            implementation=args.implementation,
+        ),
     )
     print(summary.line())
     return summary

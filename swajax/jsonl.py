@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from swajax import _validate
-from swajax._config import KVCacheConfig
 from swajax._engine import RunStats
+from swajax._engine_config import EngineConfig
 from swajax._generate import cached_engine
 from swajax._layout import KVLayout
 from swajax._sampling import SamplingParams, check_seed
@@ -368,12 +368,9 @@ def generate_jsonl(
     seed: int = 0,
     chat: bool = False,
     resume: bool = False,
-    kv_cache_config: KVCacheConfig | None = None,
-    max_batch: int | None = None,
-    max_num_tokens: int | None = None,
-    prefill_chunk_size: int | None = None,
-    implementation: str = "auto",
     progress: bool = True,
+    config: EngineConfig | None = None,
+    **settings,
 ) -> GenerateSummary:
     """Generates a result line for every request of a JSONL file (module docstring).
 
@@ -383,7 +380,8 @@ def generate_jsonl(
     written, in input order, as soon as the requests before it are done. A KeyboardInterrupt
     stops generation with every written line complete; `resume=True` continues from there.
     The sampling flags are `sampling` (temperature, top_k, top_p; its seed is ignored: each
-    line's comes from `seed` and its line number unless the line sets one).
+    line's comes from `seed` and its line number unless the line sets one). config,
+    **settings: the `EngineConfig`, as `swajax.generate`.
     """
     check_files(input_path, output_path)
     requests = read_requests(
@@ -404,11 +402,7 @@ def generate_jsonl(
     engine = cached_engine(
         model,
         [len(r.prompt_ids) + r.max_new_tokens for r in todo],
-        kv_cache_config=kv_cache_config,
-        prefill_chunk_size=prefill_chunk_size,
-        implementation=implementation,
-        max_batch=max_batch,
-        max_num_tokens=max_num_tokens,
+        EngineConfig.of(config, **settings),
     )
     check_requests(input_path, todo, model.config, engine)
     summary.groups = group_names(engine.layout)

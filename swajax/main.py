@@ -78,7 +78,7 @@ def main(argv=None):
     # for four in the full group, with the pool ratio pinned to that split (DESIGN.md "Budget":
     # the published gains are with a pinned ratio).
     probe = engine(kv_config(False, quota=1 << 30))
-    need = swajax.request_slots(
+    need = swajax.pool.request_slots(
         probe.layout, args.prompt_len, chunk=args.chunk, max_new_tokens=args.new - 1
     )
     slot_bytes = [probe.layout.slot_bytes(g) for g in range(len(need))]

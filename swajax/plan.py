@@ -13,9 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 
 from swajax import _validate
-from swajax._budget import kv_bytes_per_sequence, kv_quota_bytes, request_slots
+from swajax._budget import kv_bytes_per_sequence, kv_quota_bytes, make_layout, request_slots
 from swajax._config import KVCacheConfig, resolve_scratch_policy
-from swajax._layout import make_layout
 from swajax.jsonl import group_names
 
 DEFAULT_CHUNK = 8192  # the engine's default step budget (and so its prefill chunk)
@@ -38,7 +37,7 @@ def memory_plan(
     ("release": out-of-window release only) and on ("scratch"): the pool groups and pools of
     the layout for `max_context` / `max_batch` / `chunk`, slots per group from the KV quota
     (`kv_cache_config`; default: the device's free memory), KV bytes of one `input_len`-token
-    sequence prefilled in chunks (steady and peak, `swajax.kv_bytes_per_sequence`; also "full",
+    sequence prefilled in chunks (steady and peak, `swajax.pool.kv_bytes_per_sequence`; also "full",
     nothing released), its peak slots, and how many such sequences the pool holds at once.
     `used` names the mode the config's scratch policy picks. max_context (default: the
     model's), max_batch, chunk (default 8192) and input_len (default 8192) must be ints >= 1

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
+import gemma
 import swajax
 from swajax import _budget
 from swajax._runner import trace_count
 
-S = swajax.LayerSpec
+S = gemma.LayerSpec
 # 3 sliding layers (W = 40) and 1 full layer, 1 KV head x 8 dims, bf16: 32 bytes per token and
 # layer. Page 16: sliding slot 3 * 16 * 32 = 1536 B, full slot 512 B; a decoding row's window
 # spans (40 + 15) / 16 blocks on average: R_w = 55 * 96 = 5280 B.
@@ -24,24 +25,24 @@ SPECS = [S(40, 1, 8, 0), S(40, 1, 8, 1), S(None, 1, 8, 2), S(40, 1, 8, 3)]
 
 def layout(**cfg):
     config = swajax.KVCacheConfig(page_size=16, enable_swa_scratch_reuse=True, **cfg)
-    return swajax.make_layout(SPECS, config, max_context=8192, max_batch=64, max_chunk=256)
+    return swajax.pool.make_layout(SPECS, config, max_context=8192, max_batch=64, max_chunk=256)
 
 
 def test_fitted_split_by_hand():
     # Q(B) for B sequences of 1000 tokens, chunk 256, scratch (the chunk costs one layer,
     # 32 B/token): 32000 B + 256 * 32 + 5280 B = 37280 B + 8192 <= 10^6 -> B = 26.6043...
     lay = layout()
-    b = swajax.fitted_batch(lay, 1000, 1_000_000)
+    b = swajax.pool.fitted_batch(lay, 1000, 1_000_000)
     assert b == pytest.approx(991_808 / 37_280, rel=1e-9)
     sliding, full = 8192 + 5280 * b, 32000 * b
-    ratio = swajax.fitted_pool_ratio(lay, 1000, 1_000_000)
+    ratio = swajax.pool.fitted_pool_ratio(lay, 1000, 1_000_000)
     assert ratio == pytest.approx((sliding / (sliding + full), full / (sliding + full)))
     # capped at max_batch: the ratio of Q for 10 sequences
-    capped = swajax.fitted_pool_ratio(lay, 1000, 1_000_000, max_batch=10)
+    capped = swajax.pool.fitted_pool_ratio(lay, 1000, 1_000_000, max_batch=10)
     assert capped == pytest.approx((60992 / 380992, 320000 / 380992))
     # adaptive, at the mean occupancy 999.5 (prompt + half the new token): about 20.14 steps of
     # 1/8 octave; point 20 holds 26.6 rows of 999.5 tokens, point 21 (90, 1680 slots) 24.6
-    split = swajax.adaptive_split(lay, [(899, 1), (1099, 1), (999, 1)], 1_000_000)
+    split = swajax.pool.adaptive_split(lay, [(899, 1), (1099, 1), (999, 1)], 1_000_000)
     assert split.point == (0, 20)
     w = 2 ** (20 / 8)
     assert split.ratio == pytest.approx((1 / (1 + w), w / (1 + w)))
@@ -58,34 +59,36 @@ def test_adaptive_split_takes_the_grid_point_holding_more_whole_rows():
     #     (229 * 1536 - 8192) / 5280 = 65.07 -> 64, full 1263 * 512 / 10400 = 62.18 -> 62 rows
     #   point 8: w = 2, slots (217, 1302): sliding (217 * 1536 - 8192) / 5280 = 61.58 -> 61
     lay = layout()
-    split = swajax.adaptive_split(lay, [(293, 64)] * 4, 1_000_000)
+    split = swajax.pool.adaptive_split(lay, [(293, 64)] * 4, 1_000_000)
     assert split.point == (0, 7) and split.num_slots == (229, 1263)
-    assert swajax.rows_held(lay, (229, 1263), 325) == pytest.approx(1263 * 512 / 10400, rel=1e-6)
-    assert swajax.rows_held(lay, (217, 1302), 325) == pytest.approx(325_120 / 5280, rel=1e-6)
+    assert swajax.pool.rows_held(lay, (229, 1263), 325) == pytest.approx(
+        1263 * 512 / 10400, rel=1e-6
+    )
+    assert swajax.pool.rows_held(lay, (217, 1302), 325) == pytest.approx(325_120 / 5280, rel=1e-6)
     # the admission headroom counts: 10 % of each group kept free
-    assert swajax.rows_held(lay, (217, 1302), 325, headroom=0.1) == pytest.approx(
+    assert swajax.pool.rows_held(lay, (217, 1302), 325, headroom=0.1) == pytest.approx(
         (217 * 1536 * 0.9 - 8192) / 5280, rel=1e-6
     )
 
 
 def test_adaptive_split_hysteresis_and_minimum():
     lay = layout()
-    split = swajax.adaptive_split(lay, [(996, 4)] * 4, 1_000_000)
+    split = swajax.pool.adaptive_split(lay, [(996, 4)] * 4, 1_000_000)
     # a 3 % longer queue stays in the cell (no re-split); 4x longer moves on
-    assert swajax.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split) is None
-    longer = swajax.adaptive_split(lay, [(3996, 4)] * 4, 1_000_000, current=split)
+    assert swajax.pool.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split) is None
+    longer = swajax.pool.adaptive_split(lay, [(3996, 4)] * 4, 1_000_000, current=split)
     assert longer is not None and longer.num_slots[1] > split.num_slots[1]
     # the current split must still hold the largest request alone, else it is split anew
     need = (split.num_slots[0] + 10, 1)
-    raised = swajax.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split, need=need)
+    raised = swajax.pool.adaptive_split(lay, [(1026, 4)] * 4, 1_000_000, current=split, need=need)
     assert raised.num_slots[0] == need[0]
     assert sum(n * lay.slot_bytes(g) for g, n in enumerate(raised.num_slots)) <= 1_000_000
     with pytest.raises(ValueError, match="cannot hold one request"):
-        swajax.adaptive_split(lay, [(999, 1)], 1_000_000, need=(700, 1))
+        swajax.pool.adaptive_split(lay, [(999, 1)], 1_000_000, need=(700, 1))
     with pytest.raises(ValueError, match="requests"):
-        swajax.adaptive_split(lay, [], 1_000_000)
+        swajax.pool.adaptive_split(lay, [], 1_000_000)
     with pytest.raises(ValueError, match=r"\(5, 0\)"):
-        swajax.adaptive_split(lay, [(5, 0)], 1_000_000)
+        swajax.pool.adaptive_split(lay, [(5, 0)], 1_000_000)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +131,7 @@ def engine(model, ratio, quota, **kw):
 def quota_for_three():
     """Room for about three 100-token requests at their peak (the pool binds, not the rows)."""
     probe = engine(make_model("gemma4"), None, 64 << 20)
-    need = swajax.request_slots(probe.layout, 100, chunk=CHUNK, max_new_tokens=NEW - 1)
+    need = swajax.pool.request_slots(probe.layout, 100, chunk=CHUNK, max_new_tokens=NEW - 1)
     return 3 * sum(n * probe.layout.slot_bytes(g) for g, n in enumerate(need))
 
 
@@ -144,7 +147,7 @@ def test_adaptive_matches_a_ratio_pinned_for_the_queue_and_dense_greedy():
     hinted = adaptive.num_slots
     assert adaptive.adapt_pool([len(p) for p in prompts], NEW)
     mean = np.mean([len(p) for p in prompts]) + NEW
-    ratio = swajax.fitted_pool_ratio(adaptive.layout, mean, quota, chunk=CHUNK, max_batch=ROWS)
+    ratio = swajax.pool.fitted_pool_ratio(adaptive.layout, mean, quota, chunk=CHUNK, max_batch=ROWS)
     pinned = engine(model, ratio, quota)
     # the same split within the grid (+-4.4 % of a weight, one slot of rounding)
     for a, p in zip(adaptive.num_slots, pinned.num_slots, strict=True):

@@ -6,10 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+import gemma
 import swajax
 from swajax import _budget
 
-S = swajax.LayerSpec
+S = gemma.LayerSpec
 # 3 sliding layers (W = 40) and 1 full layer, 1 KV head x 8 dims, bf16: 32 bytes per token and
 # layer (K + V). tpb 16: sliding slot = 3 * 16 * 32 = 1536 B, full slot = 512 B. A decoding
 # row's window spans 3 or 4 blocks, (40 + 15) / 16 on average: R_w = 55 tokens * 96 B = 5280 B.
@@ -20,7 +21,7 @@ def layout(max_context=4096, max_batch=2, scratch=True, num_slots=1, **cfg):
     config = swajax.KVCacheConfig(
         page_size=16, chunk_size=256, enable_swa_scratch_reuse=scratch, **cfg
     )
-    return swajax.make_layout(
+    return swajax.pool.make_layout(
         SPECS, config, max_context=max_context, max_batch=max_batch, num_slots=num_slots
     )
 
@@ -37,9 +38,11 @@ def test_quota_for_tokens_by_hand():
     # with scratch the chunk costs one layer: 256 * 32 + 21120 = 29312.
     lay = layout()
     assert _budget.group_demands(lay, 1000, 4, 256, scratch=False) == (45696, 32000)
-    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=False) == 77696
-    assert swajax.quota_for_tokens(lay, 1000, 4, 256, scratch=True) == 61312
-    assert swajax.quota_for_tokens(lay, 100, 4, 256, scratch=True) == 100 * 32 + 100 * 32 + 21120
+    assert swajax.pool.quota_for_tokens(lay, 1000, 4, 256, scratch=False) == 77696
+    assert swajax.pool.quota_for_tokens(lay, 1000, 4, 256, scratch=True) == 61312
+    assert (
+        swajax.pool.quota_for_tokens(lay, 100, 4, 256, scratch=True) == 100 * 32 + 100 * 32 + 21120
+    )
 
 
 @pytest.mark.parametrize("rewind", [0, 20])
@@ -47,7 +50,7 @@ def test_window_term_is_what_a_decoding_row_holds(rewind):
     """R_w is what the ledger holds for a decoding row's window after each step's reserve,
     averaged over the tpb positions of its history in a block: W + rewind + tpb - 1 tokens."""
     lay = layout(max_batch=1, scratch=False, num_slots=10_000, max_rewind=rewind)
-    ledger = swajax.SlotLedger(lay)
+    ledger = swajax.pool.SlotLedger(lay)
     assert ledger.reserve({0: 300})
     ledger.advance()
     held = []
@@ -61,12 +64,12 @@ def test_window_term_is_what_a_decoding_row_holds(rewind):
 
 def test_pinned_ratio_split():
     cfg = swajax.KVCacheConfig(page_size=16, max_gpu_total_bytes=100_000, pool_ratio=(1, 3))
-    lay = swajax.make_layout(SPECS, cfg, max_context=4096, max_batch=2)
+    lay = swajax.pool.make_layout(SPECS, cfg, max_context=4096, max_batch=2)
     # sliding: 25000 // 1536 = 16 slots; full: 75000 // 512 = 146 slots
     assert [g.num_slots for g in lay.groups] == [16, 146]
     assert lay.pool_bytes() <= 100_000
     with pytest.raises(ValueError, match="pool_ratio must give one weight per pool group"):
-        swajax.make_layout(
+        swajax.pool.make_layout(
             SPECS, dataclasses.replace(cfg, pool_ratio=(1.0,)), max_context=4096, max_batch=2
         )
 
@@ -82,7 +85,7 @@ def test_default_ratio_moves_bytes_to_full_with_scratch():
     slots = {}
     for scratch in (False, True):
         c = swajax.KVCacheConfig(enable_swa_scratch_reuse=scratch, **cfg)
-        lay = swajax.make_layout(SPECS, c, max_context=8192, max_batch=4)  # no group capped
+        lay = swajax.pool.make_layout(SPECS, c, max_context=8192, max_batch=4)  # no group capped
         # shares of Q for T = 1000, B = 4, M = 256 (see test_quota_for_tokens_by_hand)
         sliding_q = 45696 if not scratch else 29312
         share = sliding_q / (sliding_q + 32000)
@@ -95,12 +98,12 @@ def test_default_ratio_moves_bytes_to_full_with_scratch():
 def test_cap_and_redistribute():
     # max_context 256 (16 blocks), 2 rows: full can hold at most 2 * 16 = 32 slots
     cfg = swajax.KVCacheConfig(page_size=16, max_gpu_total_bytes=1_000_000, chunk_size=64)
-    lay = swajax.make_layout(SPECS, cfg, max_context=256, max_batch=2)
+    lay = swajax.pool.make_layout(SPECS, cfg, max_context=256, max_batch=2)
     s_sliding = lay.groups[0].scratch_slots
     assert lay.groups[1].num_slots == 32
     assert lay.groups[0].num_slots == 2 * (16 + s_sliding)  # capped too: bytes to spare
     # pinned: capped, not redistributed
-    lay = swajax.make_layout(
+    lay = swajax.pool.make_layout(
         SPECS, dataclasses.replace(cfg, pool_ratio=(1, 50)), max_context=256, max_batch=2
     )
     assert [g.num_slots for g in lay.groups] == [int(1_000_000 / 51) // 1536, 32]
@@ -109,12 +112,12 @@ def test_cap_and_redistribute():
 def test_quota_too_small_raises():
     cfg = swajax.KVCacheConfig(page_size=16, max_gpu_total_bytes=1000)
     with pytest.raises(ValueError, match="KV quota of 1000 bytes gives pool group 0"):
-        swajax.make_layout(SPECS, cfg, max_context=256, max_batch=2)
+        swajax.pool.make_layout(SPECS, cfg, max_context=256, max_batch=2)
 
 
 def test_kv_quota_bytes(monkeypatch):
     monkeypatch.setattr(_budget, "device_free_bytes", lambda device=None: 10_000)
-    kq = swajax.kv_quota_bytes
+    kq = swajax.pool.kv_quota_bytes
     assert kq(swajax.KVCacheConfig(max_gpu_total_bytes=123)) == 123
     assert kq(swajax.KVCacheConfig(free_gpu_memory_fraction=0.5)) == 5000
     assert kq(swajax.KVCacheConfig(free_gpu_memory_fraction=0.5, max_gpu_total_bytes=99)) == 99
@@ -138,7 +141,7 @@ def test_kv_bytes_per_sequence_by_hand():
     cfg = swajax.KVCacheConfig(page_size=16)
 
     def kb(*args, kv_cache_config=cfg):
-        return swajax.kv_bytes_per_sequence(*args, kv_cache_config=kv_cache_config)
+        return swajax.pool.kv_bytes_per_sequence(*args, kv_cache_config=kv_cache_config)
 
     assert kb(SPECS, 128, 128, "full") == (8 * 1536 + full_bytes, 8 * 1536 + full_bytes)
     assert kb(SPECS, 128, 128, "release") == (3 * 1536 + full_bytes, 8 * 1536 + full_bytes)
@@ -150,7 +153,7 @@ def test_kv_bytes_per_sequence_by_hand():
         kb(SPECS, 128, 64, "none")
     # A scratch-off layout cannot answer for scratch (its descriptors hold no range).
     with pytest.raises(ValueError, match="scratch off"):
-        swajax.kv_bytes_per_sequence(layout(scratch=False), 128, 128, "scratch")
+        swajax.pool.kv_bytes_per_sequence(layout(scratch=False), 128, 128, "scratch")
     # fp8: one byte per element
     fp8 = swajax.KVCacheConfig(page_size=16, dtype="float8_e4m3fn")
     assert kb(SPECS, 128, 128, "full", kv_cache_config=fp8) == (
@@ -164,16 +167,16 @@ def test_request_slots_match_the_transforms(scratch):
     """The Python simulation and the jnp transforms agree on the slots one request holds."""
     lay = layout(max_context=512, max_batch=1, scratch=scratch, num_slots=200)
     input_len, chunk, new = 300, 96, 5
-    peak = swajax.request_slots(lay, input_len, chunk=chunk, max_new_tokens=new)
-    state = swajax.init_state(lay)
+    peak = swajax.pool.request_slots(lay, input_len, chunk=chunk, max_new_tokens=new)
+    state = swajax.pool.init_state(lay)
     most = np.zeros(2, int)
     for n in [96, 96, 96, 12] + [1] * new:
-        ok, state = swajax.reserve(lay, state, np.array([n], np.int32))
+        ok, state = swajax.pool.reserve(lay, state, np.array([n], np.int32))
         assert ok
         most = np.maximum(most, 200 - np.asarray(state.free_count))
-        state = swajax.advance(lay, state)
+        state = swajax.pool.advance(lay, state)
     assert tuple(most.tolist()) == peak
-    steady = swajax.kv_bytes_per_sequence(lay, input_len + new, chunk, "full")
+    steady = swajax.pool.kv_bytes_per_sequence(lay, input_len + new, chunk, "full")
     assert steady.steady == ((input_len + new + 15) // 16) * (1536 + 512)
 
 
@@ -190,19 +193,19 @@ def test_default_split_holds_the_longest_request():
         chunk_size=256,
         enable_swa_scratch_reuse=True,
     )
-    lay = swajax.make_layout(SPECS, cfg, max_context=4096, max_batch=4)
+    lay = swajax.pool.make_layout(SPECS, cfg, max_context=4096, max_batch=4)
     # the hints' share: full 256 * 32 B against sliding 256 * 32 + 4 * 5280 (scratch ON)
     share = 8192 / (8192 + 29312)
     assert int(400_000 * share) // 512 == 170 < 256
     full, sliding = lay.groups[1].num_slots, lay.groups[0].num_slots
     assert full >= 256 and lay.pool_bytes() <= 400_000
     assert sliding == (400_000 - full * 512) // 1536  # the rest, all of it to the sliding group
-    ledger = swajax.SlotLedger(lay)
+    ledger = swajax.pool.SlotLedger(lay)
     for start in range(0, 4095, 256):
         assert ledger.reserve({0: min(256, 4095 - start)}), start
         ledger.advance()
     assert ledger.row_slots(0)[1] == 256
-    small = swajax.make_layout(
+    small = swajax.pool.make_layout(
         SPECS, dataclasses.replace(cfg, max_gpu_total_bytes=100_000), max_context=4096, max_batch=4
     )
     assert small.groups[1].num_slots == int(100_000 * share) // 512

@@ -65,9 +65,9 @@ def test_generate_reuses_its_engine():
     model = make_model("gemma4")
     prompts = prompts_of([20, 7], seed=3)
     cfg = kv_config(True)
-    swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
+    swajax.generate(model, prompts, 3, kv_cache=cfg, prefill_chunk_size=16)
     engine = swajax._generate.ENGINE_CACHE.engine
-    again = swajax.generate(model, prompts[:1], 2, kv_cache_config=cfg, prefill_chunk_size=16)
+    again = swajax.generate(model, prompts[:1], 2, kv_cache=cfg, prefill_chunk_size=16)
     assert swajax._generate.ENGINE_CACHE.engine is engine
     assert again == dense_greedy(model, prompts[:1], 2)
     swajax._generate.ENGINE_CACHE.clear()
@@ -82,7 +82,7 @@ def test_generate_builds_anew_when_the_model_structure_changes():
 
     model = gemma.Transformer(CONFIGS["gemma4_moe"](), rngs=nnx.Rngs(3))
     prompts = prompts_of([20, 7], seed=3)
-    kw = dict(kv_cache_config=kv_config(True), prefill_chunk_size=16)
+    kw = dict(kv_cache=kv_config(True), prefill_chunk_size=16)
     first = swajax.generate(model, prompts, 3, **kw)
     engine = swajax._generate.ENGINE_CACHE.engine
     gemma.set_experts_in_place_max_rows(model, 0)

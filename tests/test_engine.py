@@ -34,7 +34,7 @@ def engine_for(model, *, scratch=True, quota=64 << 20, ratio=None, **kw):
 def quota_for(model, requests: int, prompt_len: int, new: int, *, scratch=True, chunk=16):
     """A byte quota and pinned ratio with room for about `requests` requests' peaks."""
     probe = engine_for(model, scratch=scratch, prefill_chunk_size=chunk)
-    need = swajax.request_slots(probe.layout, prompt_len, chunk=chunk, max_new_tokens=new - 1)
+    need = swajax.pool.request_slots(probe.layout, prompt_len, chunk=chunk, max_new_tokens=new - 1)
     size = [probe.layout.slot_bytes(g) for g in range(len(need))]
     share = [requests * n * b for n, b in zip(need, size, strict=True)]
     return int(sum(share) * 1.02) + sum(size), tuple(float(x) for x in share)
@@ -131,7 +131,7 @@ def test_on_demand_allocation_serves_many_rows_without_scratch():
     model = make_model("gemma3")  # window 16, page 16
     prompts = prompts_of([96] * 8, seed=2)
     probe = engine_for(model, scratch=False, prefill_chunk_size=96, max_num_tokens=96)
-    peak = swajax.request_slots(probe.layout, 96, chunk=96, max_new_tokens=7)
+    peak = swajax.pool.request_slots(probe.layout, 96, chunk=96, max_new_tokens=7)
     steady = swajax._ledger.row_peak_slots(probe.layout, [96])[0]
     size = [probe.layout.slot_bytes(g) for g in range(len(peak))]
     slots = [p + 6 * (s + 1) for p, s in zip(peak, steady, strict=True)]
@@ -261,7 +261,7 @@ def test_engine_and_generate_arguments_validated():
         [np.array([1, 2, 3]), [np.int64(4), 5]],
         np.int64(2),
         max_batch=10**5,
-        kv_cache_config=kv_config(True),
+        kv_cache=kv_config(True),
     )
     assert out == dense_greedy(model, [[1, 2, 3], [4, 5]], 2)
 

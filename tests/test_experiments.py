@@ -124,11 +124,11 @@ def test_walkthrough_trace_page_tables(traces):
     saw_scratch = False
     for s in trace[:-1]:
         k, v = s.tables[:, 0], s.tables[:, 1]  # [layers, NB]
-        np.testing.assert_array_equal(k == swajax.BAD, v == swajax.BAD)
-        np.testing.assert_array_equal(v[k != swajax.BAD], k[k != swajax.BAD] + 1)
+        np.testing.assert_array_equal(k == swajax.pool.BAD, v == swajax.pool.BAD)
+        np.testing.assert_array_equal(v[k != swajax.pool.BAD], k[k != swajax.pool.BAD] + 1)
         for o in range(k.shape[1]):  # no two sliding layers share a page at one block
             col = k[sliding, o]
-            col = col[col != swajax.BAD]
+            col = col[col != swajax.pool.BAD]
             assert len(set(col.tolist())) == len(col)
         begin, end = s.scratch_range[0]
         if end > begin:
@@ -151,7 +151,9 @@ def test_walkthrough_slot_counts(traces):
     assert peak(trace_off) == [4 + 8, 26]
     # the budget simulation (Python sets) agrees with the transforms (jnp)
     for layout, trace in ((layout_on, trace_on), (layout_off, trace_off)):
-        assert list(swajax.request_slots(layout, 400, chunk=128, max_new_tokens=3)) == peak(trace)
+        assert list(swajax.pool.request_slots(layout, 400, chunk=128, max_new_tokens=3)) == peak(
+            trace
+        )
 
 
 def test_walkthrough_plots(traces, tmp_path):

@@ -192,7 +192,7 @@ def test_batch_larger_than_pool_is_served_in_waves():
     probe = swajax.Engine(
         model, kv_config(True), max_context=128, max_batch=5, prefill_chunk_size=16
     )
-    need = np.asarray(swajax.request_slots(probe.layout, 33, chunk=16, max_new_tokens=3))
+    need = np.asarray(swajax.pool.request_slots(probe.layout, 33, chunk=16, max_new_tokens=3))
     slot_bytes = [probe.layout.slot_bytes(g) for g in range(len(need))]
     # Room for about two requests at a time.
     quota = int(sum(2 * n * b for n, b in zip(need, slot_bytes, strict=True)) * 1.05)
@@ -220,15 +220,15 @@ def test_generate_public_entry_point_and_sampling():
     model = make_model("gemma3")
     prompts = prompts_of([20, 6], seed=5)
     cfg = kv_config(None)
-    greedy = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
+    greedy = swajax.generate(model, prompts, 3, kv_cache=cfg, prefill_chunk_size=16)
     assert greedy == dense_greedy(model, prompts, 3)
     # A second call with the same shapes reuses the compiled steps.
     traces = sum(swajax._runner._TRACES.values())
-    again = swajax.generate(model, prompts, 3, kv_cache_config=cfg, prefill_chunk_size=16)
+    again = swajax.generate(model, prompts, 3, kv_cache=cfg, prefill_chunk_size=16)
     assert again == greedy and sum(swajax._runner._TRACES.values()) == traces
     sampling = swajax.SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
-    a = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
-    b = swajax.generate(model, prompts, 3, kv_cache_config=cfg, sampling=sampling, seed=1)
+    a = swajax.generate(model, prompts, 3, kv_cache=cfg, sampling=sampling, seed=1)
+    b = swajax.generate(model, prompts, 3, kv_cache=cfg, sampling=sampling, seed=1)
     assert a == b  # an explicit seed reproduces the draw
     assert all(len(o) == 3 and all(0 <= t < VOCAB for t in o) for o in a)
 
@@ -246,7 +246,7 @@ def test_generate_public_entry_point_and_sampling():
 )
 def test_bad_input_raises_value_error(prompts, max_new, match):
     with pytest.raises(ValueError, match=match):
-        swajax.generate(make_model("gemma3"), prompts, max_new, kv_cache_config=kv_config(True))
+        swajax.generate(make_model("gemma3"), prompts, max_new, kv_cache=kv_config(True))
 
 
 def test_pool_too_small_for_one_sequence_raises():
@@ -255,7 +255,7 @@ def test_pool_too_small_for_one_sequence_raises():
             make_model("gemma3"),
             [[1] * 100],
             10,
-            kv_cache_config=kv_config(True, max_gpu_total_bytes=40_000),
+            kv_cache=kv_config(True, max_gpu_total_bytes=40_000),
         )
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from test_pool_sim import layouts
 
+import gemma
 import swajax
 from swajax._ledger import SlotLedger, row_peak_slots
 
@@ -22,16 +23,16 @@ from swajax._ledger import SlotLedger, row_peak_slots
 def _ops(layout):
     jit = functools.partial(jax.jit, static_argnums=0)
     return (
-        jit(swajax.reserve),
-        jit(swajax.advance),
-        jit(swajax.free_rows),
-        jit(swajax.share_prefix),
+        jit(swajax.pool.reserve),
+        jit(swajax.pool.advance),
+        jit(swajax.pool.free_rows),
+        jit(swajax.pool.share_prefix),
     )
 
 
 def _agree(layout, ledger, state):
     assert list(np.asarray(state.free_count)) == ledger.free
-    per_row = np.asarray(swajax.row_slots(layout, state))  # [G, B]
+    per_row = np.asarray(swajax.pool.row_slots(layout, state))  # [G, B]
     for b in range(layout.max_batch):
         assert tuple(per_row[:, b]) == ledger.row_slots(b), b
     assert list(np.asarray(state.history)) == ledger.history
@@ -42,7 +43,7 @@ def _agree(layout, ledger, state):
 def test_ledger_matches_transforms(layout, seed, num_steps):
     rng = np.random.default_rng(seed)
     reserve, advance, free_rows, share = _ops(layout)
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     ledger = SlotLedger(layout)
     b = layout.max_batch
     for _ in range(num_steps):
@@ -61,7 +62,7 @@ def test_ledger_matches_transforms(layout, seed, num_steps):
             n = np.minimum(rng.integers(0, 2 * layout.max_chunk, b), room + (rng.random(b) < 0.1))
             n = np.where(rng.random(b) < 0.3, np.minimum(n, 1), n).astype(np.int32)
             planned = ledger.slots_needed(dict(enumerate(n.tolist())))
-            device = np.asarray(swajax.slots_needed(layout, state, jnp.asarray(n)))
+            device = np.asarray(swajax.pool.slots_needed(layout, state, jnp.asarray(n)))
             ok, state = reserve(layout, state, jnp.asarray(n))
             assert bool(ok) == ledger.reserve(dict(enumerate(n.tolist())))
             if planned is not None:
@@ -80,9 +81,9 @@ def test_row_peak_slots_hand_computed():
     at floor((96 + 1 - 64) / 16) = 2; step 2 (h 96 -> 192) adds blocks 6..11: 4 + 6 = 10 at the
     peak, then keeps blocks 8..11 (end floor(129/16) = 8). The full layer holds 12.
     """
-    specs = [swajax.LayerSpec(64, 1, 8, kv_source=0), swajax.LayerSpec(None, 1, 8, kv_source=1)]
+    specs = [gemma.LayerSpec(64, 1, 8, kv_source=0), gemma.LayerSpec(None, 1, 8, kv_source=1)]
     config = swajax.KVCacheConfig(page_size=16, enable_swa_scratch_reuse=False)
-    layout = swajax.make_layout(
+    layout = swajax.pool.make_layout(
         specs, config, max_context=256, max_batch=1, max_chunk=96, num_slots=(64, 64)
     )
     steady, peak = row_peak_slots(layout, [96, 96])

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gemma
 import swajax
 
-S = swajax.LayerSpec
+S = gemma.LayerSpec
 
 
 def gemma4_e2b_like(num_layers=10, shared=4):
@@ -32,7 +33,7 @@ def gemma4_e2b_like(num_layers=10, shared=4):
 def test_gemma4_like_layout():
     specs = gemma4_e2b_like()
     cfg = swajax.KVCacheConfig(page_size=32, chunk_size=256)
-    layout = swajax.make_layout(specs, cfg, max_context=2048, max_batch=4, num_slots=(100, 30))
+    layout = swajax.pool.make_layout(specs, cfg, max_context=2048, max_batch=4, num_slots=(100, 30))
     assert layout.scratch  # text model, per-layer backend: policy default on
     # writers 0..5: sliding 0,1,2,3,5 and full 4; readers 6..9 (sliding 6,7,8 -> 5, full 9 -> 4)
     assert [g.life_cycle for g in layout.groups] == [(512, 0), (None, 0)]
@@ -41,15 +42,15 @@ def test_gemma4_like_layout():
     assert full.layers == (4,) and full.scale == 2
     assert sliding.shape(32) == (100 * 10, 32, 1, 256)
     assert full.shape(32) == (30 * 2, 32, 1, 512)  # never forced to one array shape
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     assert [p.shape for p in state.pools] == [(1000, 32, 1, 256), (60, 32, 1, 512)]
     assert all(p.dtype == jnp.bfloat16 for p in state.pools)
     # converters: layer_offset = 2j + role, V = K + 1; readers use their writer's converter
-    assert layout.converter(3, 0) == swajax.Converter(0, 10, 6)
-    assert layout.converter(3, 1) == swajax.Converter(0, 10, 7)
-    assert layout.converter(5, 0) == swajax.Converter(0, 10, 8)
+    assert layout.converter(3, 0) == swajax.pool.Converter(0, 10, 6)
+    assert layout.converter(3, 1) == swajax.pool.Converter(0, 10, 7)
+    assert layout.converter(5, 0) == swajax.pool.Converter(0, 10, 8)
     assert layout.converter(7, 1) == layout.converter(5, 1)
-    assert layout.converter(9, 0) == swajax.Converter(1, 2, 0)
+    assert layout.converter(9, 0) == swajax.pool.Converter(1, 2, 0)
     assert layout.layer_table_index(8) == (0, 4)
     assert int(layout.converter(3, 0).page(7)) == 76 and int(layout.converter(3, 0).page(-1)) == -1
     # slot bytes: one block of K and V of every layer of the pool, bf16 = 2 bytes
@@ -64,13 +65,13 @@ def test_shared_kv_reader_between_writers_raises():
     specs = [S(64, 1, 8, 0), S(64, 1, 8, 1), S(64, 1, 8, kv_source=0), S(64, 1, 8, 3)]
     cfg = swajax.KVCacheConfig(enable_swa_scratch_reuse=True)
     with pytest.raises(ValueError, match=r"layers \[1\] of the same pool write scratch"):
-        swajax.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
+        swajax.pool.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
     # a writer of another pool (other geometry) in between is harmless
     specs = [S(64, 1, 8, 0), S(64, 2, 8, 1), S(64, 1, 8, kv_source=0)]
-    swajax.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
+    swajax.pool.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
     # full layers never use scratch
     specs = [S(None, 1, 8, 0), S(None, 1, 8, 1), S(None, 1, 8, kv_source=0)]
-    swajax.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
+    swajax.pool.make_layout(specs, cfg, max_context=256, max_batch=1, num_slots=4)
 
 
 @pytest.mark.parametrize(
@@ -85,20 +86,20 @@ def test_shared_kv_reader_between_writers_raises():
 )
 def test_bad_specs(specs, match):
     with pytest.raises(ValueError, match=match):
-        swajax.make_layout(specs, max_context=64, max_batch=1, num_slots=1)
+        swajax.pool.make_layout(specs, max_context=64, max_batch=1, num_slots=1)
 
 
 def test_make_layout_argument_errors():
     specs = [S(64, 1, 8, 0)]
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
-        swajax.make_layout(specs, max_context=64, num_slots=1)
+        swajax.pool.make_layout(specs, max_context=64, num_slots=1)
     with pytest.raises(ValueError, match="max_context"):
-        swajax.make_layout(specs, max_context=0, max_batch=1, num_slots=1)
+        swajax.pool.make_layout(specs, max_context=0, max_batch=1, num_slots=1)
     with pytest.raises(ValueError, match="num_slots must give one count per pool group"):
-        swajax.make_layout(specs, max_context=64, max_batch=1, num_slots=(1, 2))
+        swajax.pool.make_layout(specs, max_context=64, max_batch=1, num_slots=(1, 2))
     with pytest.raises(ValueError, match=r"num_slots\[0\] must be an int >= 1"):
-        swajax.make_layout(specs, max_context=64, max_batch=1, num_slots=0)
-    layout = swajax.make_layout(
+        swajax.pool.make_layout(specs, max_context=64, max_batch=1, num_slots=0)
+    layout = swajax.pool.make_layout(
         specs, swajax.KVCacheConfig(max_batch=3), max_context=64, num_slots=1
     )
     assert layout.max_batch == 3
@@ -130,8 +131,10 @@ def test_config_validation(kwargs, match):
 def test_kv_dtypes(dtype):
     cfg = swajax.KVCacheConfig(dtype=dtype, page_size=16)
     hash(cfg)
-    layout = swajax.make_layout([S(32, 2, 8, 0)], cfg, max_context=64, max_batch=1, num_slots=3)
-    state = swajax.init_state(layout, k_scales=0.5)
+    layout = swajax.pool.make_layout(
+        [S(32, 2, 8, 0)], cfg, max_context=64, max_batch=1, num_slots=3
+    )
+    state = swajax.pool.init_state(layout, k_scales=0.5)
     assert state.pools[0].dtype == jnp.dtype(dtype)
     assert state.k_scales.dtype == jnp.float32 and state.k_scales.tolist() == [0.5]
     assert state.v_scales.tolist() == [1.0]
@@ -140,7 +143,7 @@ def test_kv_dtypes(dtype):
 
 
 def test_scratch_policy():
-    r = swajax.resolve_scratch_policy
+    r = swajax.pool.resolve_scratch_policy
     none, on, off = (
         swajax.KVCacheConfig(),
         swajax.KVCacheConfig(enable_swa_scratch_reuse=True),
@@ -160,9 +163,11 @@ def test_scratch_policy():
     with pytest.raises(ValueError, match="page_table_mode='shared'"):
         r(shared_on)
     with pytest.raises(ValueError, match="page_table_mode='shared'"):
-        swajax.make_layout([S(32, 1, 8, 0)], shared_on, max_context=64, max_batch=1, num_slots=1)
+        swajax.pool.make_layout(
+            [S(32, 1, 8, 0)], shared_on, max_context=64, max_batch=1, num_slots=1
+        )
     with pytest.raises(ValueError, match="per_layer"):
-        swajax.make_layout(
+        swajax.pool.make_layout(
             [S(32, 1, 8, 0)],
             swajax.KVCacheConfig(page_table_mode="shared"),
             max_context=64,
@@ -179,27 +184,30 @@ def test_shared_page_table_mode_matches_per_layer():
         cfg = swajax.KVCacheConfig(
             page_size=16, page_table_mode=mode, enable_swa_scratch_reuse=False
         )
-        layout = swajax.make_layout(specs, cfg, max_context=160, max_batch=2, num_slots=40)
-        ok, state = swajax.reserve(layout, swajax.init_state(layout), np.array([100, 7], np.int32))
+        layout = swajax.pool.make_layout(specs, cfg, max_context=160, max_batch=2, num_slots=40)
+        ok, state = swajax.pool.reserve(
+            layout, swajax.pool.init_state(layout), np.array([100, 7], np.int32)
+        )
         assert ok
-        t = swajax.step_page_tables(layout, state)
+        t = swajax.pool.step_page_tables(layout, state)
         if mode == "shared":
             assert [x.shape[0] for x in t] == [1, 1]
         tables[mode] = [
-            np.asarray(swajax.layer_page_table(layout, t, layer)) for layer in range(len(specs))
+            np.asarray(swajax.pool.layer_page_table(layout, t, layer))
+            for layer in range(len(specs))
         ]
     for a, b in zip(tables["per_layer"], tables["shared"], strict=True):
         chex.assert_trees_all_equal(a, b)
 
 
 def test_state_is_a_pytree():
-    layout = swajax.make_layout(
+    layout = swajax.pool.make_layout(
         [S(32, 1, 8, 0), S(None, 1, 8, 1)], max_context=64, max_batch=2, num_slots=5
     )
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     leaves, treedef = jax.tree.flatten(state)
     assert all(isinstance(x, jax.Array) for x in leaves)
     again = jax.tree.unflatten(treedef, leaves)
-    assert isinstance(again, swajax.KVPoolState)
+    assert isinstance(again, swajax.pool.KVPoolState)
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.history = None

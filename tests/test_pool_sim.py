@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 
+import gemma
 import swajax
 import swajax._layout
 from swajax._scratch import BAD, ceil_div
 
 GEOMETRIES = [(1, 8), (2, 4)]
 # the gather's lax.cond re-traces on every eager call; one compilation per layout is cheaper
-step_page_tables = jax.jit(swajax.step_page_tables, static_argnums=0)
+step_page_tables = jax.jit(swajax.pool.step_page_tables, static_argnums=0)
 
 
 @st.composite
@@ -39,7 +40,7 @@ def layouts(draw):
         window = draw(st.sampled_from(windows))
         heads, dim = draw(st.sampled_from(GEOMETRIES))
         sink = draw(st.sampled_from([0, 0, 0, 1])) if window is not None else 0
-        specs.append(swajax.LayerSpec(window, heads, dim, kv_source=i, sink_blocks=sink))
+        specs.append(gemma.LayerSpec(window, heads, dim, kv_source=i, sink_blocks=sink))
     # KV-shared readers after all writers read the last writer of their kind (Gemma 4 style)
     for _ in range(draw(st.integers(0, 2))):
         w = draw(st.integers(0, len(specs) - 1))
@@ -51,7 +52,7 @@ def layouts(draw):
         )
         s = specs[last]
         specs.append(
-            swajax.LayerSpec(
+            gemma.LayerSpec(
                 s.window, s.num_kv_heads, s.head_dim, kv_source=last, sink_blocks=s.sink_blocks
             )
         )
@@ -63,9 +64,11 @@ def layouts(draw):
     )
     # few distinct array shapes: eager op compilations are then shared between examples
     max_context = draw(st.sampled_from([192, 320]))
-    probe = swajax.make_layout(specs, config, max_context=max_context, max_batch=1, num_slots=1)
+    probe = swajax.pool.make_layout(
+        specs, config, max_context=max_context, max_batch=1, num_slots=1
+    )
     num_slots = tuple(draw(st.sampled_from([4, 12, 48])) for _ in probe.groups)
-    return swajax.make_layout(
+    return swajax.pool.make_layout(
         specs,
         config,
         max_context=max_context,
@@ -132,9 +135,9 @@ def check_pages(layout, state, layer, table):
 def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
     """reserve -> per-layer write + read check -> advance; returns the new state."""
     tpb = layout.page_size
-    need = np.asarray(swajax.slots_needed(layout, state, new_tokens))
-    ok, new = swajax.reserve(layout, state, new_tokens)
-    assert bool(ok) == bool(np.all(need <= np.asarray(swajax.free_slots(layout, state))))
+    need = np.asarray(swajax.pool.slots_needed(layout, state, new_tokens))
+    ok, new = swajax.pool.reserve(layout, state, new_tokens)
+    assert bool(ok) == bool(np.all(need <= np.asarray(swajax.pool.free_slots(layout, state))))
     if not ok:
         assert _tree_equal(new, state)
         return state
@@ -144,12 +147,12 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
     for b in range(layout.max_batch):  # fresh token versions for this step's positions
         content[b, h[b] : cap[b]] = next(ids) + np.arange(cap[b] - h[b])
     tables = step_page_tables(layout, state)
-    meta = swajax.step_metadata(layout, state)
+    meta = swajax.pool.step_metadata(layout, state)
     chex.assert_trees_all_equal(np.asarray(meta.kv_lens), cap)
     chex.assert_trees_all_equal(np.asarray(meta.q_lens), cap - h)
     scale_l = 2 * layout.num_layers
     for layer, spec in enumerate(layout.layer_specs):
-        table = np.asarray(swajax.layer_page_table(layout, tables, layer))  # [B, 2, NB]
+        table = np.asarray(swajax.pool.layer_page_table(layout, tables, layer))  # [B, 2, NB]
         pool, _ = layout.layer_table_index(layer)
         num_pages = layout.pools[pool].num_pages
         valid = table != BAD
@@ -183,7 +186,7 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
     if layout.max_rewind:
         back = rng.integers(0, np.minimum(layout.max_rewind, cap - h) + 1)
         accept = cap - back
-    state = swajax.advance(layout, state, accept)
+    state = swajax.pool.advance(layout, state, accept)
     check_accounting(layout, state)
     return state
 
@@ -195,7 +198,7 @@ def test_pool_matches_memory_oracle(layout, seed, num_steps):
     mem = [np.full((p.num_pages, layout.page_size), -1, np.int64) for p in layout.pools]
     content = np.full((layout.max_batch, layout.max_context), -1, np.int64)
     ids = iter(range(1, 10**9, 10**4))
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     stats = collections.Counter()
     check_accounting(layout, state)
     for _ in range(num_steps):
@@ -203,13 +206,13 @@ def test_pool_matches_memory_oracle(layout, seed, num_steps):
         op = rng.random()
         if op < 0.1:
             rows = rng.random(layout.max_batch) < 0.5
-            state = swajax.free_rows(layout, state, rows)
+            state = swajax.pool.free_rows(layout, state, rows)
             check_accounting(layout, state)
             continue
         if op < 0.2 and layout.max_batch > 1:
             src, dst = rng.choice(layout.max_batch, 2, replace=False)
             want = int(rng.integers(0, h[src] + 1))
-            ok, new = swajax.share_prefix(layout, state, src, dst, want)
+            ok, new = swajax.pool.share_prefix(layout, state, src, dst, want)
             if ok:
                 k = int(new.history[dst])
                 assert k == (min(want, h[src]) // layout.page_size) * layout.page_size
@@ -227,7 +230,7 @@ def test_pool_matches_memory_oracle(layout, seed, num_steps):
         state = run_step(layout, state, mem, content, n, rng, ids, stats)
     if stats["scratch_pages"]:
         event("scratch pages in use")
-    state = swajax.free_rows(layout, state, np.ones(layout.max_batch, bool))
+    state = swajax.pool.free_rows(layout, state, np.ones(layout.max_batch, bool))
     check_accounting(layout, state)
     chex.assert_trees_all_equal(
         np.asarray(state.free_count), np.asarray([g.num_slots for g in layout.groups])
@@ -239,10 +242,10 @@ def _run(layout, steps, seed=0):
     mem = [np.full((p.num_pages, layout.page_size), -1, np.int64) for p in layout.pools]
     content = np.full((layout.max_batch, layout.max_context), -1, np.int64)
     ids = iter(range(1, 10**9, 10**4))
-    state = swajax.init_state(layout)
+    state = swajax.pool.init_state(layout)
     stats = collections.Counter()
     for n in steps:
-        ok, _ = swajax.reserve(layout, state, np.asarray(n, np.int32))
+        ok, _ = swajax.pool.reserve(layout, state, np.asarray(n, np.int32))
         assert ok
         state = run_step(layout, state, mem, content, np.asarray(n, np.int32), rng, ids, stats)
     assert stats["scratch_pages"] > 0
@@ -255,22 +258,22 @@ def _gemma4_like(num_layers_sliding=3):
     for i in range(2 * num_layers_sliding):
         sliding = i % 2 == 0 or i < num_layers_sliding
         specs.append(
-            swajax.LayerSpec(40, 2, 8, kv_source=i)
+            gemma.LayerSpec(40, 2, 8, kv_source=i)
             if sliding
-            else swajax.LayerSpec(None, 1, 16, kv_source=i)
+            else gemma.LayerSpec(None, 1, 16, kv_source=i)
         )
     last_s = max(i for i, s in enumerate(specs) if s.window)
     last_f = max(i for i, s in enumerate(specs) if s.window is None)
     specs += [
-        swajax.LayerSpec(40, 2, 8, kv_source=last_s),
-        swajax.LayerSpec(None, 1, 16, kv_source=last_f),
-        swajax.LayerSpec(40, 2, 8, kv_source=last_s),
+        gemma.LayerSpec(40, 2, 8, kv_source=last_s),
+        gemma.LayerSpec(None, 1, 16, kv_source=last_f),
+        gemma.LayerSpec(40, 2, 8, kv_source=last_s),
     ]
     return specs
 
 
 def test_gemma4_like_chunked_prefill_then_decode_with_scratch():
-    layout = swajax.make_layout(
+    layout = swajax.pool.make_layout(
         _gemma4_like(),
         swajax.KVCacheConfig(page_size=16, chunk_size=128, enable_swa_scratch_reuse=True),
         max_context=400,
@@ -279,11 +282,13 @@ def test_gemma4_like_chunked_prefill_then_decode_with_scratch():
     )
     steps = [[128, 100, 37], [128, 0, 128], [100, 1, 1]] + [[1, 1, 1]] * 3
     # the first step has scratch: stale(128) = blocks [0, 5) with W = 40
-    _, new = swajax.reserve(layout, swajax.init_state(layout), np.array(steps[0], np.int32))
+    _, new = swajax.pool.reserve(
+        layout, swajax.pool.init_state(layout), np.array(steps[0], np.int32)
+    )
     sliding = [g for g, grp in enumerate(layout.groups) if grp.is_sliding][0]
     assert np.asarray(new.scratch_range[sliding])[0].tolist() == [0, 5]
     state = _run(layout, steps)
-    state = swajax.free_rows(layout, state, np.ones(3, bool))
+    state = swajax.pool.free_rows(layout, state, np.ones(3, bool))
     chex.assert_trees_all_equal(np.asarray(state.free_count), np.asarray([60, 60]))
 
 
@@ -291,15 +296,15 @@ def test_shared_kv_writer_check_is_needed(monkeypatch):
     """A reader whose writer is followed by another scratch writer of its pool reads garbage:
     make_layout refuses it, and with the check bypassed the memory oracle catches it."""
     specs = [
-        swajax.LayerSpec(16, 1, 8, kv_source=0),
-        swajax.LayerSpec(16, 1, 8, kv_source=1),
-        swajax.LayerSpec(16, 1, 8, kv_source=0),  # reads layer 0; layer 1 wrote scratch since
+        gemma.LayerSpec(16, 1, 8, kv_source=0),
+        gemma.LayerSpec(16, 1, 8, kv_source=1),
+        gemma.LayerSpec(16, 1, 8, kv_source=0),  # reads layer 0; layer 1 wrote scratch since
     ]
     config = swajax.KVCacheConfig(page_size=16, chunk_size=128, enable_swa_scratch_reuse=True)
     with pytest.raises(ValueError, match="KV-shared layer 2 reads layer 0"):
-        swajax.make_layout(specs, config, max_context=256, max_batch=1, num_slots=40)
+        swajax.pool.make_layout(specs, config, max_context=256, max_batch=1, num_slots=40)
     # scratch off: fine
-    swajax.make_layout(
+    swajax.pool.make_layout(
         specs,
         dataclasses.replace(config, enable_swa_scratch_reuse=False),
         max_context=256,
@@ -307,6 +312,6 @@ def test_shared_kv_writer_check_is_needed(monkeypatch):
         num_slots=40,
     )
     monkeypatch.setattr(swajax._layout, "_check_shared_kv_scratch", lambda *a: None)
-    layout = swajax.make_layout(specs, config, max_context=256, max_batch=1, num_slots=40)
+    layout = swajax.pool.make_layout(specs, config, max_context=256, max_batch=1, num_slots=40)
     with pytest.raises(AssertionError, match="not equal"):
         _run(layout, [[128]])

@@ -25,8 +25,8 @@ WORKED_EXAMPLE = {
 
 def test_worked_example():
     for layer, expected in WORKED_EXAMPLE.items():
-        k = swajax.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=2 * layer)
-        v = swajax.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=2 * layer + 1)
+        k = swajax.pool.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=2 * layer)
+        v = swajax.pool.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=2 * layer + 1)
         assert list(zip(k.tolist(), v.tolist(), strict=True)) == expected
     assert scratch_slot_count(5, 6) == 2
 
@@ -72,8 +72,10 @@ def test_rotation_invariants(num_layers, size, begin, first_slot):
     own = {s * scale + i for s in slots for i in range(scale)}
     pages = {}
     for j in range(num_layers):
-        k = swajax.rotation_pages(begin, begin + size, slots, scale=scale, layer_offset=2 * j)
-        v = swajax.rotation_pages(begin, begin + size, slots, scale=scale, layer_offset=2 * j + 1)
+        k = swajax.pool.rotation_pages(begin, begin + size, slots, scale=scale, layer_offset=2 * j)
+        v = swajax.pool.rotation_pages(
+            begin, begin + size, slots, scale=scale, layer_offset=2 * j + 1
+        )
         chex.assert_trees_all_equal(v, k + 1)
         assert set(k.tolist()) | set(v.tolist()) <= own
         # one layer's blocks never collide (the whole chunk is written before attention)
@@ -86,36 +88,36 @@ def test_rotation_invariants(num_layers, size, begin, first_slot):
 
 def test_too_few_slots_raises():
     with pytest.raises(ValueError, match="needs 2 scratch slots"):
-        swajax.rotation_pages(4, 9, [7], scale=6, layer_offset=0)
+        swajax.pool.rotation_pages(4, 9, [7], scale=6, layer_offset=0)
     with pytest.raises(ValueError, match="needs 2 scratch slots"):
-        swajax.rotation_pages(4, 9, [7, -1], scale=6, layer_offset=0)
+        swajax.pool.rotation_pages(4, 9, [7, -1], scale=6, layer_offset=0)
     with pytest.raises(ValueError, match="layer_offset"):
-        swajax.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=6)
+        swajax.pool.rotation_pages(4, 9, [7, 9], scale=6, layer_offset=6)
 
 
 def test_stale_range_hand_computed():
     # W = 64, tpb = 16: the next query (position h) sees keys > h - 64. h = 128: keys >= 65,
     # block 3 (tokens 48..63) is stale, block 4 (64..79) still holds a visible key.
-    assert swajax.stale_range(128, 64, 0, 16) == (0, 4)
-    assert swajax.stale_range(127, 64, 0, 16) == (0, 4)  # keys >= 64: block 3 still stale
-    assert swajax.stale_range(126, 64, 0, 16) == (0, 3)
-    assert swajax.stale_range(10, 64, 0, 16) == (0, 0)
-    assert swajax.stale_range(500, None, 0, 16) == (0, 0)
-    assert swajax.stale_range(128, 64, 2, 16) == (2, 4)  # sink blocks never stale
-    assert swajax.stale_range(8, 4, 2, 16) == (1, 1)  # start = min(ceil(8/16), 2)
+    assert swajax.pool.stale_range(128, 64, 0, 16) == (0, 4)
+    assert swajax.pool.stale_range(127, 64, 0, 16) == (0, 4)  # keys >= 64: block 3 still stale
+    assert swajax.pool.stale_range(126, 64, 0, 16) == (0, 3)
+    assert swajax.pool.stale_range(10, 64, 0, 16) == (0, 0)
+    assert swajax.pool.stale_range(500, None, 0, 16) == (0, 0)
+    assert swajax.pool.stale_range(128, 64, 2, 16) == (2, 4)  # sink blocks never stale
+    assert swajax.pool.stale_range(8, 4, 2, 16) == (1, 1)  # start = min(ceil(8/16), 2)
 
 
 def test_scratch_range_hand_computed():
     # prefill 0 -> 128, W = 64, tpb = 16: stale(128) = [0, 4), chunk blocks [0, 8).
-    assert swajax.scratch_range(0, 128, 64, 0, 16, 0) == (0, 4)
+    assert swajax.pool.scratch_range(0, 128, 64, 0, 16, 0) == (0, 4)
     # max_rewind 20: stale(108) = [0, 2)
-    assert swajax.scratch_range(0, 128, 64, 0, 16, 20) == (0, 2)
+    assert swajax.pool.scratch_range(0, 128, 64, 0, 16, 20) == (0, 2)
     # second chunk 100 -> 300: stale(300) = [0, 14), chunk blocks [ceil(100/16)=7, 19)
-    assert swajax.scratch_range(100, 300, 64, 0, 16, 0) == (7, 14)
+    assert swajax.pool.scratch_range(100, 300, 64, 0, 16, 0) == (7, 14)
     # decode 299 -> 300: nothing of the chunk is stale
-    b, e = swajax.scratch_range(299, 300, 64, 0, 16, 0)
+    b, e = swajax.pool.scratch_range(299, 300, 64, 0, 16, 0)
     assert b == e
-    b, e = swajax.scratch_range(0, 128, None, 0, 16, 0)  # full layers: empty
+    b, e = swajax.pool.scratch_range(0, 128, None, 0, 16, 0)  # full layers: empty
     assert b == e
 
 
@@ -132,7 +134,7 @@ def test_scratch_blocks_not_read_after_the_step(h, n, window, tpb, rewind, sink)
     """Oracle: a scratch block lies in the chunk and no query at position >= cap - rewind sees
     any of its tokens (brute force over positions)."""
     cap = h + n
-    begin, end = (int(x) for x in swajax.scratch_range(h, cap, window, sink, tpb, rewind))
+    begin, end = (int(x) for x in swajax.pool.scratch_range(h, cap, window, sink, tpb, rewind))
     for o in range(begin, end):
         assert o >= sink
         assert o * tpb >= h and o < ceil_div(cap, tpb)  # never a block holding history

@@ -149,7 +149,7 @@ def test_bad_tensor_parallel_size_raises(tp, heads, kv, match):
         model.partition_specs(tp)
     if heads % tp == 0:  # the KV check of the layout alone
         with pytest.raises(ValueError, match=match):
-            swajax.make_layout(config.layer_specs, max_context=64, max_batch=2, tp=tp)
+            swajax.pool.make_layout(config.layer_specs, max_context=64, max_batch=2, tp=tp)
 
 
 @no_mesh
@@ -167,7 +167,7 @@ def test_budget_is_per_device():
     specs = tiny_gemma4().layer_specs  # sliding pool K = 2, full pool K = 1
     cfg = swajax.KVCacheConfig(page_size=16, max_gpu_total_bytes=1 << 20, pool_ratio=(1.0, 1.0))
     kw = dict(max_context=4096, max_batch=64)
-    one, two = (swajax.make_layout(specs, cfg, tp=tp, **kw) for tp in (1, 2))
+    one, two = (swajax.pool.make_layout(specs, cfg, tp=tp, **kw) for tp in (1, 2))
     assert [p.device_kv_heads for p in two.pools] == [1, 1]
     assert [p.stored_kv_heads for p in two.pools] == [2, 2]  # the full pool's head, twice
     assert two.slot_bytes(0) * 2 == one.slot_bytes(0)
@@ -175,7 +175,7 @@ def test_budget_is_per_device():
     assert two.groups[0].num_slots == 2 * one.groups[0].num_slots
     assert two.groups[1].num_slots == one.groups[1].num_slots
     assert two.pool_bytes() <= 1 << 20
-    four = swajax.make_layout(specs, cfg, tp=4, **kw)
+    four = swajax.pool.make_layout(specs, cfg, tp=4, **kw)
     assert [p.stored_kv_heads for p in four.pools] == [4, 4]
     assert four.slot_bytes(0) * 2 == one.slot_bytes(0)
 
@@ -218,7 +218,7 @@ def _engine(model, scratch, *, mesh=None, slots=None, max_batch=3, **engine_kw):
     if slots is None:
         cfg = swajax.KVCacheConfig(max_gpu_total_bytes=8 << 20, **base)
     else:  # exactly `slots` per group, whatever the per-device bytes of a slot
-        probe = swajax.make_layout(
+        probe = swajax.pool.make_layout(
             model.config.layer_specs,
             swajax.KVCacheConfig(**base),
             max_context=kw["max_context"],
@@ -245,7 +245,7 @@ def _run(engine):
 def _small_pool(model, scratch):
     """Slots per group for about 1.5 of the prompts' peaks: the engine preempts."""
     probe = _engine(model, scratch)
-    need = swajax.request_slots(probe.layout, len(PROMPTS[0]), chunk=CHUNK, max_new_tokens=3)
+    need = swajax.pool.request_slots(probe.layout, len(PROMPTS[0]), chunk=CHUNK, max_new_tokens=3)
     return tuple(max(int(n * 1.5), 2) for n in need)
 
 

@@ -26,7 +26,7 @@ TINY = ROOT / "experiments" / "tiny_model"
 PARAM_COUNTS = json.loads((ROOT / "tests" / "fixtures" / "param_counts.json").read_text())
 NEW = 64  # with the prompts below, every request fits a 128-token context (one layout)
 SETTINGS = dict(
-    kv_cache_config=swajax.KVCacheConfig(page_size=16),
+    kv_cache=swajax.KVCacheConfig(page_size=16),
     implementation="reference",
     max_num_tokens=64,
     max_batch=4,

@@ -69,7 +69,7 @@ def test_greedy_generation_continues_a_rhyme(tiny):
         model,
         [plain, chat],
         24,
-        kv_cache_config=swajax.KVCacheConfig(page_size=16),
+        kv_cache=swajax.KVCacheConfig(page_size=16),
         implementation="reference",
     )
     assert tok.decode(out[0]).startswith(rest[:40]), tok.decode(out[0])

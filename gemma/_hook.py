@@ -1,4 +1,4 @@
-"""The one thing the KV pool knows about a model: a per-layer attention spec.
+"""The attention-hook contract between a model and the KV pool: a per-layer attention spec.
 
 A model (e.g. `gemma.Transformer`) describes each attention layer with a
 `LayerSpec`; the pool layout, budget and paged forward are derived from the
