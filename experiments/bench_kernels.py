@@ -226,8 +226,8 @@ def run_decode(records, args, quick):
             sweep = args.sweep and not quick and context == 32768 and window is None
             if sweep:
                 # Split-K x ring shapes, both decode schedules (v8). Lockstep rings at 128
-                # were swept in v3 (NOTES.md); 32-token steps (v6) fit two stages beside the
-                # 64 KB Q tile at head_dim 512, and two 2-stage blocks per SM at 256.
+                # were swept in v3 (notes/kernels.md); 32-token steps (v6) fit two stages
+                # beside the 64 KB Q tile at head_dim 512, and two 2-stage blocks per SM at 256.
                 # (An L2 prefetch knob swept in v5 was slower everywhere and was removed.)
                 splits = (None, 1, 2, 4) if batch == 128 else (None, 2, 4, 8)
                 lock = dict(schedule="lockstep")
@@ -337,7 +337,7 @@ def run_builtin(records, q, pool, pt, lens, shape, nbytes):
 
 
 # %% prefill
-# The kernel before the mask split / in-place P V (v4 in NOTES.md), then the knobs of
+# The kernel before the mask split / in-place P V (v4 in notes/kernels.md), then the knobs of
 # `_prefill_kernel.PrefillTuning` that fit in SMEM at each head_dim.
 _V4 = dict(mask_split=False, pv_in_place=False, pipeline=False)  # + P via SMEM at D >= 256
 PREFILL_SWEEP = {

@@ -107,8 +107,9 @@ PUBLISHED = {
     "gemma4_31b": {"cap_only": -0.1, "pinned_8k": 6.9},
 }
 # H200 rates for the estimates: copy 4.05-4.24 TB/s and bf16 matmul 694 TFLOP/s measured
-# (NOTES.md, h200_baselines.json); one Gemma 3 4B decode step ran at 0.58 of its bytes floor
-# (model_h200_v3.json); the prefill share and the compile time per step variant are assumptions.
+# (notes/kernels.md, results/archive/h200_baselines.json); one Gemma 3 4B decode step ran at
+# 0.58 of its bytes floor (model_h200_v3.json); the prefill share and the compile time per step
+# variant are assumptions.
 # A step never takes less than the host needs to launch it: ~0.21 ms per layer, the
 # least-squares slope through the inter-token latency p50 of the OFF cells of Gemma 3 270M /
 # 1B and Gemma 4 E2B / E4B (4.1-9.6 ms at 18-42 layers; results/swa_scratch_h200.json, 876f573).
@@ -366,9 +367,9 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     import jax.numpy as jnp
 
     from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
-    from swajax import request_slots
     from swajax._replicas import make_scheduler
     from swajax._scheduler import Request, default_headroom
+    from swajax.pool import request_slots
 
     num_slots = tuple(g.num_slots for g in layout.groups)
     sched = make_scheduler(
@@ -1121,7 +1122,7 @@ def main(argv=None) -> dict:
             "SWA scratch reuse ON vs OFF under a KV byte cap: generation throughput per preset "
             "and pool-split setup (cap_only: hint split for ISL 2K; pinned_8k: split pinned for "
             "ISL 8K; adaptive: pool_ratio='adaptive'), beside TensorRT-LLM's published change "
-            "on B200 (experiments/swa_scratch_throughput.py, experiments/NOTES.md)."
+            "on B200 (experiments/swa_scratch_throughput.py, experiments/notes/reproduction.md)."
         ),
         published=PUBLISHED,
         device=meta["device"],

@@ -5,7 +5,7 @@ It builds a 6-layer layout (5 sliding layers with window 64 sharing one pool, 1 
 page size 16), runs one 400-token prompt through chunked prefill (chunk 128) and a few decode
 steps with the pure transforms (`reserve`, `step_page_tables`, `advance`, `free_rows`), and
 draws (a) the per-layer K page tables of the prefill steps, with the scratch rotation, and
-(b) the slots each pool group holds per step, scratch on vs off; (c) prints the DESIGN.md
+(b) the slots each pool group holds per step, scratch on vs off; (c) prints the docs/design.md
 worked example from `swajax.pool.rotation_pages`; (d) runs the same prompt through `swajax.Engine`
 with a tiny random Gemma 3-shaped model of the same life cycles.
 
@@ -433,7 +433,7 @@ if __name__ == "__main__":
 
 
 # %% [markdown]
-# ## 5. (c) The DESIGN.md worked example
+# ## 5. (c) The docs/design.md worked example
 #
 # A pool of three sliding layers (`scale = 6`), scratch range blocks 4..8 (five blocks, so
 # `ceil(5*2/6) = 2` scratch slots, ids 7 and 9). `swajax.pool.rotation_pages` gives the pages of one

@@ -128,10 +128,10 @@ def _pick(head_dim, page_size, pool_dtype, tuning, interpret=None):
     block_kv = tuning.block_kv or {64: 128, 128: 128, 256: 64, 512: 64 if fp8 else 32}[head_dim]
     # fp8 dequantises 64-row chunks; 16-bit pools may take 32-key steps (64-byte swizzle).
     pc.check_block_kv(block_kv, page_size, allow_32=not fp8)
-    # Measured on the H200 (8K tokens causal; `experiments/results/kernels_h200_v5_prefill_sweep`
-    # and `_v6_prefill_sweep_d512*.json`): P in
-    # registers at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage
-    # at head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
+    # Measured on the H200 (8K tokens causal; in `experiments/results/archive/`:
+    # `kernels_h200_v5_prefill_sweep` and `_v6_prefill_sweep_d512*.json`): P in registers
+    # at every head_dim (D=256: 475 vs 460 TFLOP/s; D=512: 235 vs 222); one stage at
+    # head_dim 128 (436 vs 428 with two, 400 pipelined); two pipelined stages at 256 (506
     # vs 475 with one); at 512 two pipelined stages of 32 keys (302 vs 238 with one stage of
     # 64, the most that fits).
     p_smem = False if tuning.p_smem is None else tuning.p_smem

@@ -1,6 +1,6 @@
 """The KV byte budget: quota, its split into slots per pool group, and per-sequence KV bytes.
 
-Owns (DESIGN.md "Budget"):
+Owns (docs/design.md "Budget"):
   - `kv_quota_bytes`: the byte quota of all pool roots on one device (max_gpu_total_bytes and/or
     a fraction of the device's free memory); with tensor parallelism every byte count of the
     layout is per device too (`KVLayout.tp`), so slots come from a slot's per-device bytes.
@@ -102,7 +102,7 @@ def group_demands(
     scratch (the chunk in every layer) or, with scratch, one layer's bytes per token per pool
     (the chunk rotates through one layer's worth), and R_w = (W + max_rewind + tpb - 1) * F:
     the blocks a decoding row's window spans, averaged over where its history ends in a block
-    (DESIGN.md's ceil(W/tpb) * tpb undercounts the block it straddles; 6 % at W = 512, tpb 32).
+    (docs/design.md's ceil(W/tpb) * tpb undercounts the block it straddles; 6 % at W = 512, tpb 32).
     """
     scratch = layout.scratch if scratch is None else scratch
     tpb = layout.page_size
@@ -124,7 +124,7 @@ def group_demands(
 def quota_for_tokens(
     layout: KVLayout, total_tokens: int, batch: int, chunk: int, scratch: bool | None = None
 ) -> int:
-    """Q(T) = T*F + min(T, M)*S_ctx + B*R_w, bytes (DESIGN.md "Budget")."""
+    """Q(T) = T*F + min(T, M)*S_ctx + B*R_w, bytes (docs/design.md "Budget")."""
     return sum(group_demands(layout, total_tokens, batch, chunk, scratch))
 
 
@@ -248,7 +248,7 @@ def fitted_batch(
     scratch: bool | None = None,
 ) -> float:
     """How many sequences of `length` tokens the quota holds: the largest B in (0, max_batch]
-    with Q(B * length) <= quota for batch B and prefill chunk `chunk` (DESIGN.md "Budget").
+    with Q(B * length) <= quota for batch B and prefill chunk `chunk` (docs/design.md "Budget").
 
     Fractional (Q is piecewise linear in B); max_batch defaults to layout.max_batch, chunk to
     layout.max_chunk, the mode to the layout's. 0 < B < 1 when not even one sequence fits.

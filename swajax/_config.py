@@ -41,7 +41,7 @@ class KVCacheConfig:
       pool_ratio: how the quota is split across pool groups.
         - a tuple: pinned, one positive weight per group in layout group order (normalised; the
           byte share of each group);
-        - None: derived once from the expected_* hints (DESIGN.md "Budget");
+        - None: derived once from the expected_* hints (docs/design.md "Budget");
         - "adaptive": sized by the engine from the requests actually queued (their prompt +
           max_new_tokens lengths), no hints needed. The split is the one that fits the most
           such requests in the quota (`swajax.fitted_pool_ratio`), snapped to a coarse grid,
@@ -144,7 +144,7 @@ def resolve_scratch_policy(
     backend_supports_per_layer: bool = True,
     backend_name: str = "the attention backend",
 ) -> bool:
-    """Whether SWA scratch reuse is on (DESIGN.md "policy").
+    """Whether SWA scratch reuse is on (docs/design.md "SWA scratch reuse").
 
     None -> on for text models whose backend supports per-layer page tables (and
     page_table_mode="per_layer"); off for multimodal configs and external shared-KV draft (MTP)

@@ -4,7 +4,7 @@ A `KVLayout` is derived from a tuple of `LayerSpec`s and a `KVCacheConfig` by `m
 It holds every static fact of the paged KV cache (shapes, converters, slot counts) and is passed
 as a static (hashable) argument to every transform; the changing data live in `KVPoolState`.
 
-Structure (DESIGN.md section 2):
+Structure (docs/design.md "The KV memory model"):
   - life cycle `(window, sink_blocks)`: layers sharing a staleness rule.
   - pool group g: one life cycle with all its pools. The pools of a group share one slot
     allocator, so one slot id is valid in every pool of the group and a sequence has one base

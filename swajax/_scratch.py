@@ -1,8 +1,8 @@
 """Staleness and SWA scratch reuse: the stale range, the scratch range and the rotation.
 
-These formulas (DESIGN.md section 2) are the single definition used by the transforms (jnp,
-per batch row), the budget simulation (Python ints) and the tests. Every function takes an
-`xp` module (`numpy` or `jax.numpy`) so the same code serves both.
+These formulas (docs/design.md, "The KV memory model") are the single definition used by the
+transforms (jnp, per batch row), the budget simulation (Python ints) and the tests. Every
+function takes an `xp` module (`numpy` or `jax.numpy`) so the same code serves both.
 
 Blocks are half-open ranges `[begin, end)` of block indices; `tpb` is the page size.
 """

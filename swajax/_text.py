@@ -265,11 +265,11 @@ def generate_text(
         for i, p in enumerate(prompts)
     ]
     max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
-    config = model.config
-    ids = validate_prompts(ids, config.vocab_size, config.max_context, max_new_tokens)
+    model_config = model.config
+    ids = validate_prompts(ids, model_config.vocab_size, model_config.max_context, max_new_tokens)
     stop = tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
     # Checked here as the engine would, so that stream=True raises before returning.
-    stop = _validate.token_ids("stop_token_ids", stop, config.vocab_size)
+    stop = _validate.token_ids("stop_token_ids", stop, model_config.vocab_size)
     seed = check_seed(seed)
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")

@@ -175,7 +175,7 @@ def reserve(layout: KVLayout, state: KVPoolState, new_tokens) -> tuple[jax.Array
       new_tokens: i32[B] new tokens per row this step (0: the row does not grow).
 
     Blocks [floor(h/tpb), ceil(cap/tpb)) outside the row's scratch range get normal slots (those
-    already held are kept); the scratch range (DESIGN.md: stale(cap - max_rewind) ∩
+    already held are kept); the scratch range (docs/design.md: stale(cap - max_rewind) ∩
     [ceil(h/tpb), ceil(cap/tpb)), at most group.scratch_blocks long) gets
     ceil(|R| * 2 / scale) scratch slots and stays BAD in the base table.
 

@@ -75,7 +75,7 @@ def main(argv=None):
         )
 
     # The quota: room for two of the longest requests in the sliding group without scratch and
-    # for four in the full group, with the pool ratio pinned to that split (DESIGN.md "Budget":
+    # for four in the full group, with the pool ratio pinned to that split (docs/design.md "Budget":
     # the published gains are with a pinned ratio).
     probe = engine(kv_config(False, quota=1 << 30))
     need = swajax.pool.request_slots(

@@ -1,6 +1,6 @@
 """pool_ratio="adaptive": the split follows the queued requests.
 
-Oracles: hand-computed splits of Q (DESIGN.md "Budget") on a four-layer layout, a ratio pinned
+Oracles: hand-computed splits of Q (docs/design.md "Budget") on a four-layer layout, a ratio pinned
 for the queue's length, dense greedy generation (`test_generate.dense_greedy`) and the step
 trace counter (no recompiles while the workload stays in a grid cell).
 """

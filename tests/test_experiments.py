@@ -2,7 +2,7 @@
 experiments/bench_kernels.py and experiments/swa_scratch_throughput.py at tiny sizes.
 
 The scripts are loaded from their files (nothing imports `experiments` as a package). Oracles:
-the gemma configs' own bytes per token (full mode), hand-computed slot counts, the DESIGN.md
+the gemma configs' own bytes per token (full mode), hand-computed slot counts, the docs/design.md
 worked example, and a real `swajax.Engine` run (its peak slots vs the budget simulation).
 """
 
@@ -170,7 +170,7 @@ def test_walkthrough_plots(traces, tmp_path):
 
 
 def test_walkthrough_worked_example_is_design_table():
-    # DESIGN.md section 2, worked example (K/V pages of layers 0..2 at blocks 4..8)
+    # docs/design.md "The KV memory model", worked example (K/V pages of layers 0..2 at blocks 4..8)
     design = [
         ["42/43", "44/45", "46/47", "54/55", "56/57"],
         ["44/45", "46/47", "42/43", "56/57", "58/59"],

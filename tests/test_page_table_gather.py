@@ -1,5 +1,5 @@
 """Page-table gather: the jnp reference and the Mosaic GPU kernel against a hand-written NumPy
-loop oracle and the worked example of DESIGN.md."""
+loop oracle and the worked example of docs/design.md."""
 
 import re
 
@@ -17,7 +17,7 @@ BAD = -1
 
 
 def oracle(base_table, kv_lens, scratch_range, scratch_slots, num_layers, page_size):
-    """Entry by entry, straight from DESIGN.md's converter and rotation definitions."""
+    """Entry by entry, straight from docs/design.md's converter and rotation definitions."""
     batch, max_blocks = base_table.shape
     scale = 2 * num_layers
     out = np.full((num_layers, batch, 2, max_blocks), BAD, np.int64)
@@ -190,12 +190,12 @@ def test_kernel_matches_loop_oracle(shape, seed, fresh):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_design_worked_example(mode):
-    """DESIGN.md: 3 sliding layers (scale 6), scratch blocks 4..8 in slots 7 and 9."""
+    """docs/design.md: 3 sliding layers (scale 6), scratch blocks 4..8 in slots 7 and 9."""
     base = np.array([[10, 11, BAD, 12, BAD, BAD, BAD, BAD, BAD, 13, 14]], np.int32)
     kv_lens = np.array([10 * 16], np.int32)  # 10 blocks of 16: block 10 is beyond the extent
     args = (base, kv_lens, np.array([[4, 9]], np.int32), np.array([[7, 9, BAD]], np.int32))
     got = kernel_gather(args, 3, 16, mode)
-    table = {  # layer -> K pages of blocks 4..8 (V = K + 1), from DESIGN.md
+    table = {  # layer -> K pages of blocks 4..8 (V = K + 1), from docs/design.md
         0: [42, 44, 46, 54, 56],
         1: [44, 46, 42, 56, 58],
         2: [46, 42, 44, 58, 54],

@@ -1,7 +1,7 @@
 """experiments/quickstart.py --quick runs as a script (as CI runs it) and shows what it says:
 a streamed chat answer from the tiny model (oracle: the rhyme in its training corpus), a
 JSONL batch with scratch reuse on and off that writes the same results with fewer steps on,
-the occupancy figure, and the memory plan of full-size Gemma 4 E2B (DESIGN.md's numbers)."""
+the occupancy figure, and the memory plan of full-size Gemma 4 E2B (docs/design.md's numbers)."""
 
 import json
 import pathlib

@@ -1,6 +1,6 @@
 """Scratch reuse: stale/scratch ranges and the rotation against hand-computed cases.
 
-The worked example is DESIGN.md's table, typed in by hand. The invariants (V = K + 1, no two
+The worked example is docs/design.md's table, typed in by hand. The invariants (V = K + 1, no two
 layers share a page at one block position, pages inside the row's scratch slots, BAD never
 transformed, too few slots -> ValueError) are checked over many ranges and pool sizes.
 """
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 import swajax
 from swajax._scratch import ceil_div, scratch_slot_count
 
-# DESIGN.md worked example: N = 3 sliding layers (scale 6), scratch range blocks 4..8,
+# docs/design.md worked example: N = 3 sliding layers (scale 6), scratch range blocks 4..8,
 # scratch slots 7 and 9; K/V pages of each layer per block.
 WORKED_EXAMPLE = {
     0: [(42, 43), (44, 45), (46, 47), (54, 55), (56, 57)],

@@ -4,7 +4,7 @@ chat prompts, streaming) and `python -m swajax` (`generate` over JSONL files wit
 
 Oracles: the token path (`swajax.generate` on ids made by the tokenizer directly, decoded by
 the tokenizer), the nursery-rhyme corpus the model memorised, hand-computed KV bytes (the
-DESIGN.md E2B numbers of tests/test_experiments.py) and Hugging Face parameter counts
+docs/design.md E2B numbers of tests/test_experiments.py) and Hugging Face parameter counts
 (tests/fixtures/param_counts.json). Every test uses one engine setting (page 16, four rows,
 64-token steps, reference kernels), so the steps compile once for the module.
 """
@@ -159,7 +159,7 @@ def test_generate_text_rejects_bad_prompts_before_running(tiny):
 
 def test_recording_a_request_loop_and_step_slots(tiny):
     model, tok = tiny
-    engine = swajax._generate.cached_engine(model, [100] * 4, **SETTINGS)
+    engine = swajax._generate.cached_engine(model, [100] * 4, swajax.EngineConfig(**SETTINGS))
     ids = [engine.add_request(_oracle_ids(tok, p), 8) for p in PROMPTS]
     with engine.recording() as stats:
         with engine.recording() as inner:  # recordings may overlap: each sees every step
@@ -360,7 +360,7 @@ def test_info_on_a_full_size_preset_allocates_nothing(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert plan["model"]["num_params"] == PARAM_COUNTS["gemma4_e2b"]["num_params"]
     assert plan["model"]["param_bytes"] == 2 * plan["model"]["num_params"]  # bfloat16
-    # DESIGN.md's E2B numbers at 8K, chunk 8K, page 32, bf16 (tests/test_experiments.py)
+    # docs/design.md's E2B numbers at 8K, chunk 8K, page 32, bf16 (tests/test_experiments.py)
     assert plan["release"]["sequence"]["peak"] == 150_994_944
     assert plan["scratch"]["sequence"]["peak"] == 64_487_424
     assert plan["used"] == "scratch" and plan["kv_cache"]["quota_bytes"] == 8 << 30
