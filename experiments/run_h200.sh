@@ -29,7 +29,7 @@ for stage in "$@"; do
       workers=${GPU_TEST_WORKERS:-$(( free_mib / 16384 < 1 ? 1 : (free_mib / 16384 > 8 ? 8 : free_mib / 16384) ))}
       echo "gpu-tests: ${free_mib} MiB free, ${workers} workers" | tee -a "$OUT/stages.txt"
       XLA_PYTHON_CLIENT_PREALLOCATE=false run gpu-tests "${STAGE_LIMIT_gpu_tests:-420}" \
-        python3 -m pytest -m gpu -q -n "$workers" -p no:cacheprovider -rA \
+        python3 -m pytest -m gpu -v -n "$workers" -p no:cacheprovider -rA \
         --durations=30 --junitxml="$OUT/gpu_tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
         ${GPU_TESTS:-tests/} ;;
     stacked)  # the stacked matmul at every preset geometry [STACKED_ARGS="--sweep"]

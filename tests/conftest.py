@@ -1,6 +1,7 @@
 """Shared pytest set-up: full-precision float32 matmuls, `gpu` tests skipped without a GPU."""
 
 import os
+import tempfile
 
 import jax
 import pytest
@@ -11,6 +12,23 @@ os.environ.setdefault("SWAJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("SWAJAX_STEP_CACHE", "0")
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _session_compilation_cache() -> None:
+    """JAX's persistent compilation cache in a directory of this test session, shared by the
+    xdist workers: a program two tests (or two workers) compile alike is compiled once. The
+    cache keys on the compiled program itself, so a test that patches a kernel compiles its
+    own; the step cache (keyed on the source, not the program) stays off."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    path = os.path.join(tempfile.gettempdir(), f"swajax-test-jax-cache-{run}")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+if os.environ.get("SWAJAX_TEST_COMPILATION_CACHE", "1") != "0":
+    _session_compilation_cache()
 
 
 def _has_gpu() -> bool:
