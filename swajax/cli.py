@@ -6,9 +6,12 @@
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
         [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
+    python -m swajax serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] \
+        [--max-waiting N] [--prefix-cache-rows N] [engine options]
 
 `generate` runs `swajax.jsonl.generate_jsonl` (the JSONL input and output formats and
-`--resume` are described there); `info` prints `swajax.plan.memory_plan`. Every argument and
+`--resume` are described there); `info` prints `swajax.plan.memory_plan`; `serve` runs the
+OpenAI-compatible server of `swajax.serve` until SIGINT / SIGTERM. Every argument and
 file is checked before a model loads: integer options in their range, the input a readable
 file, the output a writable file in an existing directory and not the input file. A bad one is
 an `error:` line and exit status 2.
@@ -82,6 +85,13 @@ def _int_at_least(minimum: int):
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text!r}")
+    return value
 
 
 def _seed_argument(text: str) -> int:
@@ -236,6 +246,31 @@ def _parser() -> argparse.ArgumentParser:
         help="sequence length of the plan",
     )
     i.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (swajax.serve)")
+    common(v, "auto", 16)
+    v.add_argument("--tokenizer", default=None, metavar="DIR")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=_port, default=8000)
+    v.add_argument("--served-model-name", default=None, help="default: the --model value")
+    v.add_argument("--max-context", type=_positive_int, default=None, help="default: the model's")
+    v.add_argument(
+        "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
+    )
+    v.add_argument("--prefill-chunk", type=_positive_int, default=None)
+    v.add_argument(
+        "--prefix-cache-rows",
+        type=_non_negative_int,
+        default=None,
+        help="rows that park prompt prefixes and finished conversations (default: --max-batch)",
+    )
+    v.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
+    v.add_argument(
+        "--max-waiting",
+        type=_positive_int,
+        default=256,
+        help="requests not yet running beyond which a request gets HTTP 503",
+    )
     return p
 
 
@@ -260,6 +295,8 @@ def run(argv=None) -> GenerateSummary | dict:
         )
         print(json.dumps(plan, indent=1) if args.json else format_plan(plan, args.model))
         return plan
+    if args.command == "serve":
+        return _serve(args, cfg)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_files(args.input, args.output)
     model, tokenizer = load_model(
@@ -290,6 +327,34 @@ def run(argv=None) -> GenerateSummary | dict:
     )
     print(summary.line())
     return summary
+
+
+def _serve(args, cfg: KVCacheConfig) -> None:
+    from swajax._engine import Engine
+    from swajax.serve import serve
+
+    model, tokenizer = load_model(
+        args.model, tokenizer_dir=args.tokenizer, dtype=args.dtype, small=args.small
+    )
+    rows = args.max_batch
+    config = EngineConfig(
+        kv_cache=cfg,
+        max_context=args.max_context,
+        max_batch=rows,
+        max_num_tokens=args.max_num_tokens,
+        prefill_chunk_size=args.prefill_chunk,
+        prefix_cache_rows=rows if args.prefix_cache_rows is None else args.prefix_cache_rows,
+        implementation=args.implementation,
+    )
+    engine = Engine(model, config)
+    serve(
+        engine,
+        tokenizer,
+        model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        max_waiting=args.max_waiting,
+    )
 
 
 def main(argv=None) -> int:
