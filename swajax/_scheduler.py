@@ -434,6 +434,13 @@ class Scheduler:
             if self.cache is not None and k > 0 and len(plan.shares_a) < self.max_shares:
                 tokens = r.tokens(0, k)
                 if not self.cache.contains(tokens):
+                    # The same conversation's earlier turn (a "finished" entry this history
+                    # extends) gives way to it: its blocks are a prefix of these.
+                    older = self.cache.lookup(tokens, k - 1)
+                    if older is not None and older.kind == "finished" and older not in protect:
+                        self.cache.remove(older)
+                        self.ledger.free_rows([older.row])
+                        plan.free_a.append(older.row)
                     target = self.cache.free_row()
                     if target is None:  # a speculative park displaces only another one
                         victim = self.cache.lru(kinds=("finished",), protect=protect)

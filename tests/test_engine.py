@@ -168,6 +168,33 @@ def test_multi_turn_prefix_hits_with_scratch():
     assert all_free(engine)
 
 
+def test_round_robin_chat_sessions_reuse_their_histories():
+    """4 chat sessions x 4 turns, round robin, scratch on, one cache row per session: each
+    turn starts from the session's last history (a finished history replaces the entry of the
+    turn it extends, so one session's park never evicts another's). At least 80 % of the
+    reusable tokens (every earlier turn) come from the cache, and the tokens equal an
+    uncached engine's."""
+    model = make_model("gemma4")
+    runs = {}
+    for rows in (4, 0):
+        engine = engine_for(model, prefix_cache_rows=rows, max_batch=4)
+        history = [prompts_of([50], seed=20 + s)[0] for s in range(4)]
+        outs, reusable, hit = [], 0, 0
+        for turn in range(4):
+            for s in range(4):
+                prompt = history[s] + prompts_of([5], seed=40 + 4 * turn + s)[0]
+                reusable += len(history[s]) if turn else 0
+                out, stats = engine.run([prompt], 4)
+                hit += stats.prefix_tokens
+                outs.append(out[0])
+                history[s] = prompt + out[0]
+        runs[rows] = outs, hit, reusable
+        assert all_free(engine)
+    (cached, hit, reusable), (plain, none, _) = runs[4], runs[0]
+    assert cached == plain and none == 0
+    assert hit >= 0.8 * reusable, (hit, reusable)
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
