@@ -30,6 +30,7 @@ from test_generate import _logits_by_token, _round_queries_to_bf16
 
 import gemma
 import swajax
+import swajax._runner
 
 MAX_NEW = 6
 
