@@ -333,3 +333,109 @@ def _decode_quota(config, batch: int, tokens: int, chunk: int = 8192) -> int:
             per_seq += token_bytes * (tokens if s.window is None else min(tokens, s.window))
             prefill += token_bytes * chunk if s.window is not None else 0
     return int((batch * per_seq + prefill) * 1.25) + (1 << 30)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="experiments/results/cold_start_h200.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--child", default=None)
+    p.add_argument("--precompile", action="store_true")
+    p.add_argument("--full-depth", action="store_true", help="--quick with the presets' depth")
+    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument(
+        "--step-cache", default="both", choices=("both", "on", "off"), help="which process pairs"
+    )
+    p.add_argument("--decode", action="store_true", help="also the decode steps (DECODE_CASES)")
+    p.add_argument(
+        "--decode-presets", default=None, help="the presets of DECODE_CASES to run (default all)"
+    )
+    p.add_argument("--no-cold", action="store_true", help="skip the cold starts")
+    p.add_argument("--both", action="store_true", help="cold start with and without precompile")
+    p.add_argument(
+        "--lowering", action="store_true", help="only the lowering with and without the step cache"
+    )
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.quick, args.precompile, args.full_depth)))
+        return
+    if args.lowering:  # CPU: no device needed
+        from experiments._meta import run_metadata
+
+        res = run_metadata(presets=args.presets, lowering=True)
+        res["records"] = [lowering_record(p) for p in filter(None, args.presets.split(","))]
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        for r in res["records"]:
+            for v in r["variants"]:
+                print(
+                    f"{r['preset']:<12} {'decode' if v['decode'] else 'prefill'} "
+                    f"{v['num_tokens']:>5} tokens: trace+lower {v['plain_s']:5.2f} s, with the "
+                    f"step cache {v['cached_s']:5.2f} s (export once {v['export_s']:5.2f} s, "
+                    f"{v['serialized_bytes'] / 2**20:.1f} MiB, Mosaic kernels "
+                    f"{v['mosaic_kernels_plain']} / {v['mosaic_kernels_cached']})"
+                )
+        return
+    copy = None
+    if not args.quick:
+        from experiments.bench_generate import torch_ceilings
+
+        _, copy = torch_ceilings()
+    from experiments._meta import run_metadata
+
+    res = run_metadata(
+        quick=args.quick, full_depth=args.full_depth, presets=args.presets, copy_tbs=copy
+    )
+    res["records"] = []
+    presets = [] if args.no_cold else list(filter(None, args.presets.split(",")))
+    for preset in presets:
+        for pre in (False, True) if args.both else (args.precompile,):
+            res["records"].append(
+                cold_start(preset, args.quick, pre, args.full_depth, args.step_cache)
+            )
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    if args.decode:
+        wanted = args.decode_presets.split(",") if args.decode_presets else None
+        cases = [c for c in DECODE_CASES if wanted is None or c[0] in wanted]
+        # the default engine's decode steps; for Gemma 3 4B also the model built unrolled
+        # (one Block per layer, no stacks)
+        runs = [(*c, True) for c in cases]
+        runs += [(*c, False) for c in cases if c[0] == "gemma3_4b"]
+        for preset, batch, context, scan_layers in runs:
+            rec = decode_record(args.quick, copy, preset, batch, context, scan_layers)
+            res["records"].append(rec)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        steps = {
+            r["scan_layers"]: r.get("decode_step_ms")
+            for r in res["records"]
+            if r["kind"] == "decode_step" and r["preset"] == "gemma3_4b"
+        }
+        if steps.get(True) and steps.get(False):
+            res["decode_scan_over_unrolled"] = steps[True] / steps[False]
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    for r in res["records"]:
+        if r["kind"] == "cold_start":
+            print(
+                f"{r['preset']:<12} precompile={r['precompile']!s:<5} cold "
+                f"{r.get('cold_s', float('nan')):6.1f} s  warm cache "
+                f"{r.get('warm_cache_s', float('nan')):6.1f} s  (step cache off: cold "
+                f"{r.get('cold_no_step_cache_s', float('nan')):6.1f} s, warm "
+                f"{r.get('warm_compilation_cache_only_s', float('nan')):6.1f} s) "
+                + " ".join(v[-200:] for k, v in r.items() if k.endswith("_error"))
+            )
+        else:
+            print(
+                f"decode {r['preset']:<15} {r['batch']:>3} rows "
+                f"scan_layers={r['scan_layers']!s:<5} "
+                f"step {r.get('decode_step_ms')} ms, floor {r.get('floor_ms')} ms, x floor "
+                f"{r.get('x_floor')} {r.get('error', '')[-300:]}"
+            )
+    if "decode_scan_over_unrolled" in res:
+        print(f"decode step, scan / unrolled: {res['decode_scan_over_unrolled']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -317,6 +317,7 @@ def cell_kv_config(config, params: Params, setup: str, scratch: bool, cap: int, 
 def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, prompts):
     """The layout a cell's engine serves the workload on (the adaptive split applied)."""
     import swajax
+    import swajax._layout
 
     context = max_context(prompts, params)
     kv, _ = cell_kv_config(config, params, setup, scratch, cap, context)

@@ -16,7 +16,7 @@ and the split of `gemma._sharding` (`device_bytes`), the KV pool from the layout
               layers).
 
 The KV heads of a pool root are split over tp where tp divides them, else each device holds
-one whole KV head (`swajax._layout.stored_kv_heads`): Gemma 4 31B's full layers have 4 KV heads,
+one whole KV head (`gemma._mesh.stored_kv_heads`): Gemma 4 31B's full layers have 4 KV heads,
 so at tp = 8 their per-device bytes stop halving.
 
 Writes experiments/results/tp_memory.json (versions, every parameter, the rows) and prints a

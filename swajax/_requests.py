@@ -84,11 +84,13 @@ class Front:
     def bind(self, ids: list[int]) -> Stream:
         """A stream for these requests; ValueError for an id not in the engine (never issued,
         or finished and delivered) or one that already has a consumer. Outputs of these
-        requests not yet taken by a `step()` caller move to the stream."""
-        unknown = [i for i in ids if i not in self.tracked]
+        requests not yet taken by a `step()` caller move to the stream, so a request that
+        finished (or was aborted) before its consumer came still reaches it."""
+        undelivered = {o.request_id for o in self.unclaimed if o.finished}
+        unknown = [i for i in ids if i not in self.tracked and i not in undelivered]
         if unknown:
             raise ValueError(f"request ids {unknown[:5]} are not queued or running")
-        bound = [i for i in ids if self.tracked[i].stream is not None]
+        bound = [i for i in ids if i in self.tracked and self.tracked[i].stream is not None]
         if bound:
             raise ValueError(
                 f"request ids {bound[:5]} already have a consumer (a stream): every request's "
@@ -98,7 +100,8 @@ class Front:
             raise ValueError(f"request ids {ids} repeat an id")
         stream = Stream(set(ids))
         for i in ids:
-            self.tracked[i].stream = stream
+            if i in self.tracked:
+                self.tracked[i].stream = stream
         keep = []
         for out in self.unclaimed:
             (stream.queue.append if out.request_id in stream.pending else keep.append)(out)

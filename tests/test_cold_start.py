@@ -13,6 +13,8 @@ from flax import nnx
 from test_generate import dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
+import swajax._generate
+import swajax._runner
 from pallas_kernels import _checks
 from swajax import _runner, _step_cache
 from swajax._budget import round_quota

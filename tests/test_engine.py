@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from test_generate import VOCAB, dense_greedy, kv_config, make_model, prompts_of
 
 import swajax
+import swajax._ledger
 
 
 def engine_for(model, *, scratch=True, quota=64 << 20, ratio=None, **kw):

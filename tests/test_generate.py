@@ -17,6 +17,7 @@ from flax import nnx
 
 import gemma
 import swajax
+import swajax._runner
 
 VOCAB = 128
 

@@ -151,3 +151,45 @@ def test_public_api_is_small_and_importable():
     with pytest.raises(AttributeError, match="no attribute 'make_layout'"):
         swajax.make_layout  # noqa: B018 - the pool's algebra lives in swajax.pool
     assert swajax.pool.make_layout and swajax.pool.BAD == -1
+
+
+def _private_attribute_uses(tree: ast.AST) -> set[str]:
+    """`pkg._mod` of every attribute chain `pkg._mod.name` in code (not in strings)."""
+    used = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in PACKAGES
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            used.add(f"{node.value.id}.{node.attr}")
+    return used
+
+
+def _imported(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                out.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("folder", ["tests", "experiments"])
+def test_private_modules_are_imported_where_they_are_used(folder):
+    """The packages' `__init__`s are lazy: `swajax._runner` is an attribute of `swajax` only
+    once something imported it. A test or script that reads `pkg._mod.x` imports `pkg._mod`
+    itself, so it does not depend on which module happened to import it first (GPU-only tests
+    never run here; this is how their imports are checked)."""
+    missing = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        absent = _private_attribute_uses(tree) - _imported(tree)
+        missing += [f"{path.relative_to(ROOT)}: {m}" for m in sorted(absent)]
+    assert not missing, missing

@@ -19,6 +19,7 @@ from test_engine import all_free, engine_for
 from test_generate import dense_greedy, make_model, prompts_of, tiny_gemma3
 
 import gemma
+import gemma._checkpoint
 
 TIMEOUT = 60.0  # seconds for any thread of these tests (a step takes milliseconds here)
 
@@ -178,6 +179,25 @@ def test_the_step_loop_loses_no_output(engine):
             collected.setdefault(o.request_id, []).append(o)
     assert set(collected) == {r2}
     assert list(collected[r2][-1].token_ids) == want[1] and collected[r2][-1].finished
+
+
+def test_a_request_that_finished_before_its_stream_still_reaches_it(engine):
+    """A request that finished (or was aborted) while another stream drove the steps, before
+    its own consumer called `stream_requests`, is still streamed to it: its outputs wait
+    unclaimed and move to the stream; once delivered, its id is unknown."""
+    prompts = prompts_of([7, 12], seed=11)
+    want = dense_greedy(engine_model(), prompts, 4)
+    early, late = engine.add_request(prompts[0], 2), engine.add_request(prompts[1], 4)
+    aborted = engine.add_request(prompts[1], 4)
+    engine.abort(aborted)
+    assert list(list(engine.stream_requests([late]))[-1].token_ids) == want[1]
+    got = list(engine.stream_requests([early, aborted]))
+    finals = {o.request_id: o for o in got if o.finished}
+    assert list(finals[early].token_ids) == want[0][:2]
+    assert finals[aborted].finish_reason == "abort"
+    with pytest.raises(ValueError, match="not queued or running"):
+        engine.stream_requests([early])
+    assert not engine.has_unfinished_requests and all_free(engine)
 
 
 def test_abort_takes_one_id_or_a_sequence_and_rejects_other_types(engine):

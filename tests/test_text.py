@@ -19,6 +19,8 @@ import pytest
 
 import gemma
 import swajax
+import swajax._generate
+import swajax._text
 from swajax import cli, jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
