@@ -407,7 +407,15 @@ class Engine:
                 finished = r.status == FINISHED
                 new = tuple(r.output[before[row] :])
                 outputs.append(
-                    RequestOutput(r.id, new, tuple(r.output), finished, r.finish_reason, r.error)
+                    RequestOutput(
+                        r.id,
+                        new,
+                        tuple(r.output),
+                        finished,
+                        r.finish_reason,
+                        r.error,
+                        r.prefix_hit_tokens,
+                    )
                 )
                 if finished:
                     self.replicas.forget(r.id)
@@ -572,7 +580,8 @@ class Engine:
                             bar.update(len(out.new_token_ids))
                         if callback is not None:
                             callback(i, out)
-                jax.block_until_ready(self.runner.state)
+                with self._step_lock:  # no other thread's step donates the state meanwhile
+                    jax.block_until_ready(self.runner.state)
         finally:
             if bar is not None:
                 bar.close()
@@ -635,4 +644,6 @@ def _key_of_id(request_id: int):
 
 def _final(r: Request) -> RequestOutput:
     """The last output of a finished request (no new tokens)."""
-    return RequestOutput(r.id, (), tuple(r.output), True, r.finish_reason, r.error)
+    return RequestOutput(
+        r.id, (), tuple(r.output), True, r.finish_reason, r.error, r.prefix_hit_tokens
+    )

@@ -209,11 +209,10 @@ class SlotLedger:
                 self.scratch[g][b] = 0
             self.history[b] = self.cap[b] = 0
 
-    def share(self, src: int, dst: int, num_tokens: int) -> bool:
-        """Mirrors `share_prefix`: dst gets src's readable blocks of the first k tokens."""
+    def _shared_blocks(self, src: int, num_tokens: int) -> tuple[int, list[set]] | None:
+        """(k, the block offsets per group that a row sharing src's first k tokens reads), or
+        None when src no longer holds one of them."""
         lay, tpb = self.layout, self.layout.page_size
-        if src == dst or num_tokens < 0 or not self.is_empty(dst):
-            return False
         k = min(num_tokens, self.history[src]) // tpb * tpb
         wanted = []
         for g, group in enumerate(lay.groups):
@@ -222,8 +221,22 @@ class SlotLedger:
                 start, end = stale_range(k - lay.max_rewind, group.window, group.sink_blocks, tpb)
                 needed -= set(range(int(start), int(end)))
             if not needed <= set(self.blocks[g][src]):
-                return False
+                return None
             wanted.append(needed)
+        return k, wanted
+
+    def can_share(self, src: int, num_tokens: int) -> bool:
+        """Whether `share(src, dst, num_tokens)` would find every block it needs in src."""
+        return num_tokens >= 0 and self._shared_blocks(src, num_tokens) is not None
+
+    def share(self, src: int, dst: int, num_tokens: int) -> bool:
+        """Mirrors `share_prefix`: dst gets src's readable blocks of the first k tokens."""
+        if src == dst or num_tokens < 0 or not self.is_empty(dst):
+            return False
+        found = self._shared_blocks(src, num_tokens)
+        if found is None:
+            return False
+        k, wanted = found
         for g, needed in enumerate(wanted):
             for o in needed:
                 block_id = self.blocks[g][src][o]

@@ -3,9 +3,12 @@
 An entry is a batch row of the pool (a *cache row*, past the serving rows) that holds, by
 reference, the blocks of the first `k` tokens of some sequence (k a multiple of the page size):
 every block of full layers and, of sliding layers, the window ending at k (`share_prefix`). A
-request whose tokens start with an entry's k tokens is admitted into a row that shares those
-blocks and prefills from k on. Entries are found by a hash chained over whole blocks (block i's
-hash covers its tokens and every block before it) and confirmed token by token.
+request whose tokens start with the first j whole blocks of an entry is admitted into a row that
+shares those blocks and prefills from j * page_size on (`longest_shared`: the longest such j of
+any entry whose blocks for it are still held, so a chat turn whose re-encoded history parts from
+the parked one inside the answer still starts from the blocks they share). Entries are found by
+hashes chained over whole blocks (block i's hash covers its tokens and every block before it),
+indexed at every block of every entry, and confirmed token by token.
 
 Two kinds of entries:
   - "boundary": parked when a request's prefill reaches a block boundary that other queued
@@ -57,6 +60,7 @@ class PrefixCache:
         self.page_size = page_size
         self.rows = tuple(rows)
         self.entries: dict[tuple[int, int], PrefixEntry] = {}
+        self._by_block: dict[tuple[int, int], list[PrefixEntry]] = {}  # every block prefix
         self._clock = itertools.count(1)
 
     def __len__(self) -> int:
@@ -76,6 +80,24 @@ class PrefixCache:
             if entry is not None and entry.tokens == tuple(tokens[: i * self.page_size]):
                 return entry
         return None
+
+    def longest_shared(
+        self, tokens: Sequence[int], limit: int, shareable
+    ) -> tuple[PrefixEntry | None, int]:
+        """(entry, k): the entry sharing the longest block-aligned prefix k <= limit with
+        `tokens` for which `shareable(entry, k)` holds (its blocks for k still held), most
+        recently used first among equals; (None, 0) if none."""
+        if not self.entries:
+            return None, 0
+        n = min(len(tokens), limit) // self.page_size
+        hashes = block_hashes(tokens, self.page_size, n)
+        for i in range(n, 0, -1):
+            k = i * self.page_size
+            found = self._by_block.get((k, hashes[i - 1]), ())
+            for entry in sorted(found, key=lambda e: -e.last_used):
+                if entry.tokens[:k] == tuple(tokens[:k]) and shareable(entry, k):
+                    return entry, k
+        return None, 0
 
     def contains(self, tokens: Sequence[int]) -> bool:
         entry = self.entries.get(self._key(tokens))
@@ -99,7 +121,16 @@ class PrefixCache:
         entry = PrefixEntry(row, tuple(tokens), kind)
         self.touch(entry)
         self.entries[self._key(tokens)] = entry
+        for i, h in enumerate(block_hashes(tokens, self.page_size)):
+            self._by_block.setdefault(((i + 1) * self.page_size, h), []).append(entry)
         return entry
 
     def remove(self, entry: PrefixEntry) -> None:
         del self.entries[self._key(entry.tokens)]
+        for i, h in enumerate(block_hashes(entry.tokens, self.page_size)):
+            key = ((i + 1) * self.page_size, h)
+            left = [e for e in self._by_block[key] if e is not entry]
+            if left:
+                self._by_block[key] = left
+            else:
+                del self._by_block[key]

@@ -35,7 +35,8 @@ class RequestOutput:
     token so far (a stop token included); finished: whether this is its last output;
     finish_reason: "stop" (a stop token), "length" (max_new_tokens), "abort" (`Engine.abort`,
     or its stream closed) or "error" (`error` says why: e.g. non-finite logits), None while it
-    runs.
+    runs; cached_tokens: prompt tokens served from the prefix cache (not prefilled) at its
+    latest admission.
     """
 
     request_id: int
@@ -44,6 +45,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)

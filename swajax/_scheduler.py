@@ -593,10 +593,13 @@ class Scheduler:
             r = self.waiting[0]
             if r.pending:  # its last token is still in flight: recompute once it is read
                 break
-            hit = None
+            hit, k = None, 0
             if self.cache is not None:
-                hit = self.cache.lookup(r.tokens(0, r.length), r.length - 1)
-            k = len(hit.tokens) if hit is not None else 0
+                hit, k = self.cache.longest_shared(
+                    r.tokens(0, r.length),
+                    r.length - 1,
+                    lambda e, k: self.ledger.can_share(e.row, k),
+                )
             if self._awaits_park(r, k):
                 break
             rows = [b for b in free_rows if b not in blocked_rows] if hit else free_rows
@@ -627,11 +630,11 @@ class Scheduler:
                 break
             free_rows.remove(row)
             self.running.append(r)
+            r.prefix_hit_tokens = 0 if hit is None else k  # of this admission
             if hit is not None:
                 step.used_sources.add(hit)
                 self.cache.touch(hit, hit=True)
                 plan.shares_a.append((hit.row, row, k))
-                r.prefix_hit_tokens = k
                 self.counters.prefix_hits += 1
                 self.counters.prefix_tokens += k
             step.take(r, n)

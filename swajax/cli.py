@@ -331,19 +331,20 @@ def run(argv=None) -> GenerateSummary | dict:
 
 def _serve(args, cfg: KVCacheConfig) -> None:
     from swajax._engine import Engine
-    from swajax.serve import serve
+    from swajax.serve import serve, serving_kv_config
 
     model, tokenizer = load_model(
         args.model, tokenizer_dir=args.tokenizer, dtype=args.dtype, small=args.small
     )
     rows = args.max_batch
+    prefix_rows = rows if args.prefix_cache_rows is None else args.prefix_cache_rows
     config = EngineConfig(
-        kv_cache=cfg,
+        kv_cache=serving_kv_config(cfg) if prefix_rows else cfg,
         max_context=args.max_context,
         max_batch=rows,
         max_num_tokens=args.max_num_tokens,
         prefill_chunk_size=args.prefill_chunk,
-        prefix_cache_rows=rows if args.prefix_cache_rows is None else args.prefix_cache_rows,
+        prefix_cache_rows=prefix_rows,
         implementation=args.implementation,
     )
     engine = Engine(model, config)

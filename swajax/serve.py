@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from swajax._config import KVCacheConfig
 from swajax._engine import Engine
 from swajax._requests import RequestOutput
 from swajax._sampling import SamplingParams
@@ -175,6 +176,7 @@ class Params:
     n: int
     stream: bool
     chat: bool
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _number(body: dict, name: str, kind, low, high, default):
@@ -221,6 +223,13 @@ def parse_request(body, *, chat: bool, tokenizer, engine: Engine, model_name: st
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or (options and not stream):
+        raise RequestError(
+            "'stream_options' must be an object {'include_usage': bool}, with 'stream': true",
+            "stream_options",
+        )
     field = "messages" if chat else "prompt"
     prompt = _encode(body.get(field), chat, tokenizer, field)
     try:
@@ -231,7 +240,7 @@ def parse_request(body, *, chat: bool, tokenizer, engine: Engine, model_name: st
         temperature=float(temperature), top_k=max(int(top_k), 0), top_p=float(top_p), seed=seed
     )
     eos = list(getattr(tokenizer, "eos_token_ids", ()))
-    return Params([prompt] * n, max_tokens, sampling, stop, eos + stop_ids, n, stream, chat)
+    return Params([prompt] * n, max_tokens, sampling, stop, eos + stop_ids, n, stream, chat, usage)
 
 
 def _encode(value, chat: bool, tokenizer, field: str) -> list[int]:
@@ -268,6 +277,14 @@ def _encode(value, chat: bool, tokenizer, field: str) -> list[int]:
     if not ids:
         raise RequestError(f"'{field}' is empty", field)
     return ids
+
+
+def serving_kv_config(kv: KVCacheConfig) -> KVCacheConfig:
+    """The server's KV config: sliding layers keep two pages past their window
+    (`max_rewind`), so a chat turn whose re-encoded history parts from the parked one in its
+    last two pages (the answer's final tokens rarely re-encode alike) still shares every block
+    before (`docs/design.md`, "Prefix cache")."""
+    return dataclasses.replace(kv, max_rewind=max(kv.max_rewind, 2 * kv.page_size))
 
 
 class Server:
@@ -348,7 +365,14 @@ def create_app(server: Server):
     async def models():
         return {
             "object": "list",
-            "data": [{"id": server.model_name, "object": "model", "owned_by": "swajax"}],
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "owned_by": "swajax",
+                    "max_model_len": server.engine.layout.max_context,
+                }
+            ],
         }
 
     @app.get("/metrics")
@@ -407,6 +431,8 @@ class _Run:
         self.rids: list[int] = []
         self.done: set[int] = set()
         self.arrival = time.perf_counter()
+        self.counts: dict[int, int] = {}  # choice -> tokens generated
+        self.cached = 0  # prompt tokens of the first choice served from the prefix cache
 
     async def submit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -474,6 +500,9 @@ class _Run:
     def _observe(self, out: RequestOutput, last: dict, i: int) -> None:
         now = time.perf_counter()
         s = self.server
+        self.counts[i] = len(out.token_ids)
+        if i == 0:
+            self.cached = out.cached_tokens
         if out.new_token_ids:
             if i not in last:
                 s.m_ttft.observe(now - self.arrival)
@@ -510,18 +539,23 @@ class _Run:
                 )
             else:
                 choices.append({"index": i, "text": text, "finish_reason": reason})
-        prompt = len(self.params.prompts[0])
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.server.model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": sum(counts),
-                "total_tokens": prompt + sum(counts),
-            },
+            "usage": self._usage(sum(counts)),
+        }
+
+    def _usage(self, completion: int) -> dict:
+        """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache served."""
+        prompt = len(self.params.prompts[0])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
         }
 
     def _chunk(self, i: int, text: str, reason, first: bool) -> str:
@@ -556,6 +590,16 @@ class _Run:
                     reasons[i] = reason
                     if cuts[i].hit and not out.finished:
                         self.server.loop.abort(out.request_id)
+            if self.params.include_usage:
+                body = {
+                    "id": self.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.server.model_name,
+                    "choices": [],
+                    "usage": self._usage(sum(self.counts.values())),
+                }
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             self.abort_unfinished()

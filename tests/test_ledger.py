@@ -55,8 +55,12 @@ def test_ledger_matches_transforms(layout, seed, num_steps):
         elif op == "share" and b > 1:
             src, dst = rng.choice(b, 2, replace=False).tolist()
             k = int(rng.integers(0, layout.max_context))
+            empty = ledger.is_empty(dst)
+            feasible = ledger.can_share(src, k)  # what the scheduler asks before a hit
             ok, state = share(layout, state, jnp.int32(src), jnp.int32(dst), jnp.int32(k))
             assert bool(ok) == ledger.share(src, dst, k)
+            if empty:
+                assert bool(ok) == feasible
         else:
             room = layout.max_context - np.asarray(state.history)
             n = np.minimum(rng.integers(0, 2 * layout.max_chunk, b), room + (rng.random(b) < 0.1))

@@ -21,10 +21,10 @@ from test_text import TINY
 
 import gemma
 import swajax
-from swajax.serve import Server, StopStrings, create_app
+from swajax.serve import Server, StopStrings, create_app, serving_kv_config
 
 SETTINGS = dict(
-    kv_cache=swajax.KVCacheConfig(page_size=16),
+    kv_cache=serving_kv_config(swajax.KVCacheConfig(page_size=16)),  # as `swajax serve` has it
     max_context=512,
     max_batch=8,
     max_num_tokens=256,
@@ -130,6 +130,49 @@ def test_completions_chat_and_streaming_equal_the_library(served, tiny):
         "swajax_inter_token_latency_seconds",
     ):
         assert name in metrics, name
+
+
+def test_usage_counts_cached_prompt_tokens_and_streams_at_the_end(served, tiny):
+    """A chat's second turn extends the first: `usage.prompt_tokens_details.cached_tokens`
+    counts the prompt tokens the prefix cache served (whole pages of the first turn's
+    history: at least its prompt's whole pages), the first turn's is 0; with
+    `stream_options.include_usage` the last chunk before [DONE] has no choices and the same
+    usage as the plain response."""
+    c = served.client
+    page = SETTINGS["kv_cache"].page_size
+    first = [{"role": "user", "content": "Tell me a long rhyme about a garden " * 3}]
+    one = c.chat.completions.create(model=NAME, messages=first, max_tokens=20)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    history = one.usage.prompt_tokens + one.usage.completion_tokens
+    second = first + [
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "And another."},
+    ]
+    two = c.chat.completions.create(model=NAME, messages=second, max_tokens=8)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= history and cached % page == 0, (cached, history)
+    # at least the first turn's prompt (its answer's tokens count where they re-encode alike)
+    assert cached >= one.usage.prompt_tokens // page * page
+    chunks = list(
+        c.chat.completions.create(
+            model=NAME,
+            messages=second,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == two.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == two.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(
+            model=NAME, prompt="a", max_tokens=2, stream_options={"include_usage": True}
+        )
+    assert e.value.body["param"] == "stream_options"
+    card = http("GET", served.url + "/v1/models")[2]
+    assert json.loads(card)["data"][0]["max_model_len"] == SETTINGS["max_context"]
 
 
 def test_stop_strings_cut_the_text(served, tiny):

@@ -87,10 +87,17 @@ def test_logits_match_transformers(tiny):
     assert rel <= 1e-4, rel
 
 
-def test_results_json_records_the_committed_run():
+def test_results_json_records_the_committed_run(tiny):
+    """The JSON's greedy samples are what the committed model generates now (the script's own
+    sampling function on its own prompts): the record and the model cannot drift apart."""
+    model, tok = tiny
     result = json.loads((EXPERIMENTS / "results" / "train_tiny.json").read_text())
     assert result["loss_last"] < 0.2
-    assert all(s["completion"] for s in result["samples"])
+    samples = train_tiny.greedy_samples(
+        model, tok, train_tiny.read_rhymes(), result["parameters"].get("sample_tokens", 64)
+    )
+    assert samples == result["samples"]
+    assert all(s["completion"] and s["stopped"] for s in samples)
 
 
 def test_train_script_smoke(tmp_path):
