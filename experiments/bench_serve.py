@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     else:
         url = args.url.rstrip("/")
     res = run_metadata(
-        **{k: v for k, v in vars(args).items() if k not in ("out",)}, url=url, client="openai"
+        **{k: v for k, v in vars(args).items() if k not in ("out", "url")}, url=url, client="openai"
     )
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
