@@ -299,6 +299,41 @@ def build_layout(
     if not isinstance(cfg, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {type(cfg).__name__}")
     specs = _validate_specs(layer_specs)
+    max_batch, max_chunk, scratch = _checked_sizes(
+        cfg, max_context, max_batch, max_chunk, tp, scratch
+    )
+    dtype = cfg.dtype.name
+    life_cycles, pool_keys, pool_layers, layer_pool = _pools_of(specs)
+    groups = _groups(life_cycles, pool_keys, pool_layers, max_chunk, cfg.page_size, scratch)
+    pools = tuple(
+        PoolSpec(life_cycles.index(key[0]), tuple(pool_layers[p]), key[1], key[2], dtype, 0, tp)
+        for p, key in enumerate(pool_keys)
+    )
+    for pool in pools:  # ValueError for a tp that gives some device a part of a KV head
+        stored_kv_heads(pool.num_kv_heads, tp)
+    if scratch:
+        _check_shared_kv_scratch(specs, layer_pool, pools)
+
+    layout = KVLayout(
+        layer_specs=specs,
+        page_size=cfg.page_size,
+        max_batch=max_batch,
+        max_context=max_context,
+        max_chunk=max_chunk,
+        max_rewind=cfg.max_rewind,
+        dtype=dtype,
+        page_table_mode=cfg.page_table_mode,
+        scratch=scratch,
+        groups=groups,
+        pools=pools,
+        layer_pool=layer_pool,
+        tp=tp,
+    )
+    return with_num_slots(layout, 1 if num_slots is None else num_slots)
+
+
+def _checked_sizes(cfg: KVCacheConfig, max_context, max_batch, max_chunk, tp, scratch):
+    """(max_batch, max_chunk, scratch) resolved from the config and checked (ValueError)."""
     if not isinstance(max_context, int) or max_context < 1:
         raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
     max_batch = cfg.max_batch if max_batch is None else max_batch
@@ -320,10 +355,12 @@ def build_layout(
             "SWA scratch reuse needs page_table_mode='per_layer', got "
             f"page_table_mode={cfg.page_table_mode!r}"
         )
-    scratch = bool(scratch)
-    page_size = cfg.page_size
-    dtype = cfg.dtype.name
+    return max_batch, max_chunk, bool(scratch)
 
+
+def _pools_of(specs):
+    """Writer layers grouped into pools by (life cycle, KV heads, head_dim): (life cycles in
+    order of first use, pool keys, each pool's writer layers, each layer's (pool, index))."""
     life_cycles: list[tuple[int | None, int]] = []
     pool_keys: list[tuple[tuple[int | None, int], int, int]] = []
     pool_layers: list[list[int]] = []
@@ -340,14 +377,15 @@ def build_layout(
         p = pool_keys.index(key)
         writer_pool[i] = (p, len(pool_layers[p]))
         pool_layers[p].append(i)
-    layer_pool = tuple(writer_pool[s.kv_source] for s in specs)
+    return life_cycles, pool_keys, pool_layers, tuple(writer_pool[s.kv_source] for s in specs)
 
-    group_pools = [
-        tuple(p for p, key in enumerate(pool_keys) if key[0] == lc) for lc in life_cycles
-    ]
+
+def _groups(life_cycles, pool_keys, pool_layers, max_chunk, page_size, scratch):
+    """One `GroupSpec` per life cycle (0 slots until `with_num_slots`), with its scratch."""
     max_chunk_blocks = ceil_div(max_chunk, page_size)
     groups = []
-    for lc, pools_of in zip(life_cycles, group_pools, strict=True):
+    for lc in life_cycles:
+        pools_of = tuple(p for p, key in enumerate(pool_keys) if key[0] == lc)
         min_scale = min(2 * len(pool_layers[p]) for p in pools_of)
         if scratch and lc[0] is not None:
             n_scratch = scratch_slot_count(max_chunk_blocks, min_scale)
@@ -356,32 +394,7 @@ def build_layout(
         else:
             n_scratch = scratch_blocks = 0
         groups.append(GroupSpec(lc[0], lc[1], pools_of, 0, n_scratch, scratch_blocks))
-
-    pools = tuple(
-        PoolSpec(life_cycles.index(key[0]), tuple(pool_layers[p]), key[1], key[2], dtype, 0, tp)
-        for p, key in enumerate(pool_keys)
-    )
-    for pool in pools:  # ValueError for a tp that gives some device a part of a KV head
-        stored_kv_heads(pool.num_kv_heads, tp)
-    if scratch:
-        _check_shared_kv_scratch(specs, layer_pool, pools)
-
-    layout = KVLayout(
-        layer_specs=specs,
-        page_size=page_size,
-        max_batch=max_batch,
-        max_context=max_context,
-        max_chunk=max_chunk,
-        max_rewind=cfg.max_rewind,
-        dtype=dtype,
-        page_table_mode=cfg.page_table_mode,
-        scratch=scratch,
-        groups=tuple(groups),
-        pools=pools,
-        layer_pool=layer_pool,
-        tp=tp,
-    )
-    return with_num_slots(layout, 1 if num_slots is None else num_slots)
+    return tuple(groups)
 
 
 def with_num_slots(layout: KVLayout, num_slots: int | Sequence[int]) -> KVLayout:

@@ -43,11 +43,6 @@ def memory_plan(
     model's), max_batch, chunk (default 8192) and input_len (default 8192) must be ints >= 1
     (ValueError otherwise); chunk and input_len are capped at max_context.
     """
-    import jax
-    from flax import nnx
-
-    import gemma
-
     cfg = kv_cache_config or KVCacheConfig()
     if max_context is None:
         max_context = config.max_context
@@ -58,11 +53,6 @@ def memory_plan(
     input_len = DEFAULT_INFO_LENGTH if input_len is None else input_len
     input_len = _validate.positive_int("input_len", input_len)
     input_len = min(input_len, max_context)
-    abstract = nnx.eval_shape(
-        lambda: gemma.Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype)
-    )
-    params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
-    param_bytes = sum(x.size * x.dtype.itemsize for x in params)
     # The default pool ratio for this workload: max_batch sequences of input_len tokens.
     cfg = dataclasses.replace(
         cfg,
@@ -70,31 +60,20 @@ def memory_plan(
         expected_batch_size=cfg.expected_batch_size or max_batch,
         chunk_size=cfg.chunk_size or chunk,
     )
-    quota = kv_quota_bytes(cfg)
     used = resolve_scratch_policy(
         cfg,
         is_multimodal=getattr(config, "is_multimodal", False),
         has_external_kv_draft=getattr(config, "has_external_kv_draft", False),
     )
     plan = {
-        "model": {
-            "family": config.family,
-            "num_layers": config.num_layers,
-            "layers": dict(collections.Counter(config.layer_types)),
-            "sliding_window": config.sliding_window,
-            "num_kv_shared_layers": config.num_kv_shared_layers,
-            "max_context": config.max_context,
-            "num_params": int(abstract.num_params),
-            "param_bytes": int(param_bytes),
-            "param_dtype": param_dtype,
-        },
+        "model": _model_summary(config, param_dtype),
         "kv_cache": {
             "page_size": cfg.page_size,
             "dtype": cfg.dtype.name,
             "max_context": max_context,
             "max_batch": max_batch,
             "chunk": chunk,
-            "quota_bytes": quota,
+            "quota_bytes": kv_quota_bytes(cfg),
             "quota_from": "max_gpu_total_bytes"
             if cfg.max_gpu_total_bytes is not None and cfg.free_gpu_memory_fraction is None
             else "free device memory",
@@ -106,45 +85,78 @@ def memory_plan(
         )._asdict(),
     }
     for mode in ("release", "scratch"):
-        scratch = mode == "scratch"
-        if scratch and cfg.page_table_mode != "per_layer":
+        if mode == "scratch" and cfg.page_table_mode != "per_layer":
             continue
-        layout = make_layout(
-            config.layer_specs,
-            dataclasses.replace(cfg, enable_swa_scratch_reuse=scratch),
-            max_context=max_context,
-            max_batch=max_batch,
-            max_chunk=chunk,
-            scratch=scratch,
-        )
-        need = request_slots(layout, input_len, chunk=chunk)
-        fit = min(g.num_slots // max(n, 1) for g, n in zip(layout.groups, need, strict=True))
-        plan[mode] = {
-            "groups": [
-                {
-                    "name": name,
-                    "life_cycle": list(g.life_cycle),
-                    "pools": [
-                        {
-                            "layers": list(layout.pools[p].layers),
-                            "num_kv_heads": layout.pools[p].num_kv_heads,
-                            "head_dim": layout.pools[p].head_dim,
-                            "scale": layout.pools[p].scale,
-                        }
-                        for p in g.pools
-                    ],
-                    "slot_bytes": layout.slot_bytes(k),
-                    "num_slots": g.num_slots,
-                    "scratch_slots_per_row": g.scratch_slots,
-                    "sequence_peak_slots": need[k],
-                }
-                for k, (g, name) in enumerate(zip(layout.groups, group_names(layout), strict=True))
-            ],
-            "pool_bytes": layout.pool_bytes(),
-            "sequence": kv_bytes_per_sequence(layout, input_len, chunk, mode)._asdict(),
-            "sequences_at_once": min(fit, max_batch),
-        }
+        plan[mode] = _mode_plan(config, cfg, mode, max_context, max_batch, chunk, input_len)
     return plan
+
+
+def _model_summary(config, param_dtype: str) -> dict:
+    """The model's shape and parameter bytes, from `jax.eval_shape`'s abstract model."""
+    import jax
+    from flax import nnx
+
+    import gemma
+
+    abstract = nnx.eval_shape(
+        lambda: gemma.Transformer(config, rngs=nnx.Rngs(0), param_dtype=param_dtype)
+    )
+    params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    return {
+        "family": config.family,
+        "num_layers": config.num_layers,
+        "layers": dict(collections.Counter(config.layer_types)),
+        "sliding_window": config.sliding_window,
+        "num_kv_shared_layers": config.num_kv_shared_layers,
+        "max_context": config.max_context,
+        "num_params": int(abstract.num_params),
+        "param_bytes": int(sum(x.size * x.dtype.itemsize for x in params)),
+        "param_dtype": param_dtype,
+    }
+
+
+def _mode_plan(config, cfg, mode, max_context, max_batch, chunk, input_len) -> dict:
+    """The layout of one mode ("release" or "scratch"), a sequence's bytes and slots in it,
+    and how many such sequences its pool holds at once."""
+    scratch = mode == "scratch"
+    layout = make_layout(
+        config.layer_specs,
+        dataclasses.replace(cfg, enable_swa_scratch_reuse=scratch),
+        max_context=max_context,
+        max_batch=max_batch,
+        max_chunk=chunk,
+        scratch=scratch,
+    )
+    need = request_slots(layout, input_len, chunk=chunk)
+    fit = min(g.num_slots // max(n, 1) for g, n in zip(layout.groups, need, strict=True))
+    groups = []
+    for k, (g, name) in enumerate(zip(layout.groups, group_names(layout), strict=True)):
+        pools = [layout.pools[p] for p in g.pools]
+        groups.append(
+            {
+                "name": name,
+                "life_cycle": list(g.life_cycle),
+                "pools": [
+                    {
+                        "layers": list(p.layers),
+                        "num_kv_heads": p.num_kv_heads,
+                        "head_dim": p.head_dim,
+                        "scale": p.scale,
+                    }
+                    for p in pools
+                ],
+                "slot_bytes": layout.slot_bytes(k),
+                "num_slots": g.num_slots,
+                "scratch_slots_per_row": g.scratch_slots,
+                "sequence_peak_slots": need[k],
+            }
+        )
+    return {
+        "groups": groups,
+        "pool_bytes": layout.pool_bytes(),
+        "sequence": kv_bytes_per_sequence(layout, input_len, chunk, mode)._asdict(),
+        "sequences_at_once": min(fit, max_batch),
+    }
 
 
 def _size(n: float) -> str:

@@ -1,24 +1,10 @@
 """Shared pytest set-up: full-precision float32 matmuls, `gpu` tests skipped without a GPU."""
 
 import os
-import shutil
 import tempfile
 
-# On a machine without an NVIDIA GPU the suite is bound by XLA's CPU compiles of small
-# programs, not by running them: cheaper code generation cuts each step's compile by about a
-# quarter (set before JAX starts its backend; `SWAJAX_TEST_FAST_COMPILE=0` keeps XLA's defaults).
-if os.environ.get("SWAJAX_TEST_FAST_COMPILE", "1") != "0" and shutil.which("nvidia-smi") is None:
-    os.environ["XLA_FLAGS"] = " ".join(
-        [
-            os.environ.get("XLA_FLAGS", ""),
-            "--xla_backend_optimization_level=0",
-            "--xla_llvm_disable_expensive_passes=true",
-            "--xla_cpu_use_thunk_runtime=false",
-        ]
-    ).strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 # Tests compile into a fresh process state; the persistent caches are tested on their own
 # (tests patch kernels at run time, which the step cache's key cannot see).

@@ -481,24 +481,3 @@ def test_bench_moe_quick(tmp_path):
     assert rec["form"] == "tile_in_place" and rec["geometry"]["layers"] == 3
     assert 0 < rec["active_experts"] <= 8 and rec["max_abs_err"] < 2e-2
     assert rec["moved_bytes"] == rec["active_bytes"] == rec["active_experts"] * 3 * 128 * 64 * 2
-
-
-# ----------------------------------------------------------------------------- bench_serve
-bench_serve = _load("bench_serve")
-
-
-def test_bench_serve_quick_against_the_cli_server(tmp_path):
-    """`python -m swajax serve` as a user starts it (a child process), driven by the openai
-    client: every request completes, the multi-turn chat serves >= 80 % of its reusable prompt
-    tokens from the prefix cache, the metrics are read and SIGINT ends the server cleanly."""
-    out = tmp_path / "serve.json"
-    assert bench_serve.main(["--quick", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    [rate] = res["rates"]
-    assert rate["completed"] == rate["requests"] == 8 and not rate["errors"]
-    assert rate["output_tokens"] > 0 and rate["ttft_s"]["p50"] > 0
-    chat = res["chat"]
-    assert all(t["completed"] == chat["sessions"] for t in chat["turns"])
-    assert chat["turns"][0]["cached_tokens"] == 0 and chat["reuse"] >= 0.8, chat
-    assert any(line.startswith("swajax_prefix_cache_hit_tokens") for line in res["metrics"])
-    assert res["server_exit_code"] == 0

@@ -285,3 +285,27 @@ def test_32_concurrent_streams_8_disconnect(served, tiny):
     engine.clear_prefix_cache()
     assert tuple(engine.ledger.used()) == (0,) * len(engine.num_slots)
     assert served.client.completions.create(model=NAME, prompt="a", max_tokens=2).choices
+
+
+def test_bench_serve_drives_the_server_and_reports_reuse(served, tmp_path):
+    """`experiments/bench_serve.py --quick` against this server (`--url`; the script can also
+    start `python -m swajax serve` itself, as on the GPU): every request completes, the
+    multi-turn chat serves >= 80 % of its reusable prompt tokens from the prefix cache, the
+    JSON holds the percentiles and the server's metrics."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_serve.py"
+    spec = importlib.util.spec_from_file_location("_experiments_bench_serve", path)
+    bench_serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_serve)
+    out = tmp_path / "serve.json"
+    assert bench_serve.main(["--quick", "--url", served.url, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    [rate] = res["rates"]
+    assert rate["completed"] == rate["requests"] == 8 and not rate["errors"]
+    assert rate["output_tokens"] > 0 and rate["ttft_s"]["p50"] > 0 and rate["itl_s"]["p50"] > 0
+    chat = res["chat"]
+    assert all(t["completed"] == chat["sessions"] for t in chat["turns"])
+    assert chat["turns"][0]["cached_tokens"] == 0 and chat["reuse"] >= 0.8, chat
+    assert any(line.startswith("swajax_prefix_cache_hit_tokens") for line in res["metrics"])
