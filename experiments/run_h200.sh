@@ -61,7 +61,7 @@ for stage in "$@"; do
       run step-cache "${STAGE_LIMIT_step_cache:-300}" python3 experiments/probes/probe_step_cache.py \
         --preset "${PROBE_PRESET:-gemma4_e2b}" --out "$OUT/step_cache_h200.json" ;;
     cold)  # COLD_ARGS="" (no decode figures), default --decode
-      run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py ${COLD_ARGS---decode} \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py ${COLD_ARGS---decode} \
         --out "$OUT/cold_start_h200.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
