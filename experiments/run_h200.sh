@@ -2,12 +2,13 @@
 # One device call: the stages named on the command line, in order, each logged under $OUT.
 #   SWAJAX_GIT_COMMIT=<sha> bash experiments/run_h200.sh gpu-tests kernels presets generate cold
 #   SWAJAX_GIT_COMMIT=<sha> PRESETS=gemma4_e2b bash experiments/run_h200.sh scratch
+#   (wheels the card lacks, e.g. fastapi / uvicorn / openai for `serve`: PYTHONPATH=/tmp/site)
 # A persistent JAX compilation cache under /tmp is shared by every stage and by later calls
 # to the same warm machine. Stages stop at their own time limit (seconds, STAGE_LIMIT_<name>).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export SWAJAX_COMPILATION_CACHE_DIR=/tmp/swajax-jax-cache
 export JAX_COMPILATION_CACHE_DIR=/tmp/swajax-jax-cache
 mkdir -p /tmp/swajax-jax-cache
@@ -63,6 +64,14 @@ for stage in "$@"; do
     cold)  # COLD_ARGS="" (no decode figures), default --decode
       XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} run cold "${STAGE_LIMIT_cold:-400}" python3 experiments/bench_cold_start.py ${COLD_ARGS---decode} \
         --out "$OUT/cold_start_h200.json" ;;
+    donation)  # whether the bookkeeping step keeps the pool roots in place (decode cases)
+      run donation "${STAGE_LIMIT_donation:-150}" python3 experiments/probes/probe_donation.py \
+        --out "$OUT/donation_h200.json" ;;
+    serve)  # MODELS="gemma3_1b gemma4_e2b": the server under load, three rates and the chat mode
+      for m in ${MODELS:-gemma3_1b gemma4_e2b}; do
+        run "serve_$m" "${STAGE_LIMIT_serve:-240}" python3 experiments/bench_serve.py \
+          --model "preset:$m" --rates "${RATES:-2,8,inf}" --chat --out "$OUT/serve_${m}_h200.json"
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
