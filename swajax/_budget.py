@@ -131,7 +131,7 @@ def quota_for_tokens(
 def default_pool_ratio(layout: KVLayout, kv_cache_config: KVCacheConfig) -> tuple[float, ...]:
     """Each group's share of Q for the expected batch (hints default to the layout's bounds)."""
     cfg = kv_cache_config
-    batch = cfg.expected_batch_size or layout.max_batch
+    batch = cfg.expected_batch_size or layout.serving_rows
     length = cfg.expected_input_length or layout.max_context
     chunk = cfg.chunk_size or layout.max_chunk
     demands = group_demands(layout, batch * length, batch, chunk)
@@ -250,13 +250,13 @@ def fitted_batch(
     """How many sequences of `length` tokens the quota holds: the largest B in (0, max_batch]
     with Q(B * length) <= quota for batch B and prefill chunk `chunk` (docs/design.md "Budget").
 
-    Fractional (Q is piecewise linear in B); max_batch defaults to layout.max_batch, chunk to
+    Fractional (Q is piecewise linear in B); max_batch defaults to layout.serving_rows, chunk to
     layout.max_chunk, the mode to the layout's. 0 < B < 1 when not even one sequence fits.
     """
     if not length > 0 or quota < 1:
         raise ValueError(f"need length > 0 and quota >= 1, got {length!r}, {quota!r}")
     chunk = layout.max_chunk if chunk is None else chunk
-    hi = float(layout.max_batch if max_batch is None else max_batch)
+    hi = float(layout.serving_rows if max_batch is None else max_batch)
     return _largest_batch(
         lambda b: quota_for_tokens(layout, b * length, b, chunk, scratch) <= quota, hi
     )
@@ -329,7 +329,7 @@ def rows_held(
     each group keeping `headroom` of its slots free (the admission rule's): the smallest over
     the groups of the largest B whose demand (`group_demands`) fits the group. Fractional."""
     chunk = layout.max_chunk if chunk is None else chunk
-    hi = float(layout.max_batch if max_batch is None else max_batch)
+    hi = float(layout.serving_rows if max_batch is None else max_batch)
     return min(
         _largest_batch(
             lambda b, g=g: (
@@ -374,7 +374,7 @@ def adaptive_split(
          most new tokens needs alone (`request_slots`, prefill chunks of layout.max_chunk); the
          bytes come from the other groups (ValueError if the quota cannot hold that).
     chunk: prefill tokens of one step (default layout.max_chunk); max_batch: rows served at
-    once (default layout.max_batch).
+    once (default layout.serving_rows).
     """
     if not requests or any(n < 1 or k < 1 for n, k in requests):
         raise ValueError(

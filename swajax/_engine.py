@@ -20,9 +20,10 @@ own pool, ledger and scheduler (`swajax._replicas`), and one compiled step runs 
 Adaptive pool split (`KVCacheConfig(pool_ratio="adaptive")`, `swajax._budget.adaptive_split`):
 the split of the byte quota across pool groups follows the requests queued. A split's slot
 counts are static shapes of the compiled step, so a new split is a new layout (compiled once,
-then shared); the pool is split anew only while it is idle (no running request, no parked
-prefix), to the split that fits the most requests of the queue's mean length, snapped to a
-coarse grid; every queued request fits the new split alone; the quota never changes.
+then shared); the pool is split anew only while no request runs (parked prefixes are dropped
+with the old split), to the split that fits the most requests of the queue's mean length,
+snapped to a coarse grid; every queued request fits the new split alone; the quota never
+changes.
 
 Robustness: the donating step call defers SIGINT until the new state is held; an exception or
 KeyboardInterrupt inside a stream aborts that stream's requests and frees their rows, so the
@@ -113,6 +114,7 @@ class Engine:
             num_slots=1,
             scratch=scratch,
             tp=tp,
+            cache_rows=cfg.prefix_cache_rows,
         )
         # The quota is read once: a re-split pool must not see the old pool as used memory.
         self.pool = PoolSplit(kv_quota_bytes(kv), kv.adaptive_pool_ratio, cfg.admission_headroom)

@@ -138,7 +138,8 @@ class KVLayout:
     Attributes:
       layer_specs: the model's per-layer specs.
       page_size: tokens per block (tpb).
-      max_batch: rows of the batch axis of every per-row array.
+      max_batch: rows of the batch axis of every per-row array: the serving rows, then
+        `cache_rows` rows that park prefixes for the prefix cache (`swajax._prefix_cache`).
       max_context: longest sequence (history + new tokens), tokens.
       max_chunk: static bound on new tokens per row per step used to size scratch descriptors.
       max_rewind: see `KVCacheConfig.max_rewind`.
@@ -151,6 +152,7 @@ class KVLayout:
         layers).
       tp: tensor-parallel devices the pool roots' KV heads are split over (`PoolSpec.tp`);
         every byte count of the layout (`slot_bytes`, `pool_bytes`) is per device.
+      cache_rows: the last rows of the batch, which only park prefixes (never run a request).
     """
 
     layer_specs: tuple[LayerSpec, ...]
@@ -166,6 +168,12 @@ class KVLayout:
     pools: tuple[PoolSpec, ...]
     layer_pool: tuple[tuple[int, int], ...]
     tp: int = 1
+    cache_rows: int = 0
+
+    @property
+    def serving_rows(self) -> int:
+        """Rows that run requests (the first ones)."""
+        return self.max_batch - self.cache_rows
 
     @property
     def max_blocks(self) -> int:
@@ -272,6 +280,7 @@ def build_layout(
     num_slots: int | Sequence[int] | None = None,
     scratch: bool | None = None,
     tp: int = 1,
+    cache_rows: int = 0,
 ) -> KVLayout:
     """Builds the layout of a model's KV cache with `num_slots` (1 per group by default; the
     byte budget's counts: `swajax._budget.make_layout`).
@@ -289,6 +298,7 @@ def build_layout(
       tp: tensor-parallel devices each pool root's KV heads are split over (see
         `stored_kv_heads`); the byte budget is then per device (`max_gpu_total_bytes` is a
         per-device quota) and slot counts come from the per-device bytes of a slot.
+      cache_rows: how many of the max_batch rows are prefix-cache rows (the last ones).
 
     Raises:
       ValueError: on inconsistent specs or settings, a KV-shared reader whose writer's scratch
@@ -302,6 +312,14 @@ def build_layout(
     max_batch, max_chunk, scratch = _checked_sizes(
         cfg, max_context, max_batch, max_chunk, tp, scratch
     )
+    if (
+        not isinstance(cache_rows, int)
+        or isinstance(cache_rows, bool)
+        or not 0 <= cache_rows < max_batch
+    ):
+        raise ValueError(
+            f"cache_rows must be an int in [0, max_batch={max_batch}), got {cache_rows!r}"
+        )
     dtype = cfg.dtype.name
     life_cycles, pool_keys, pool_layers, layer_pool = _pools_of(specs)
     groups = _groups(life_cycles, pool_keys, pool_layers, max_chunk, cfg.page_size, scratch)
@@ -328,6 +346,7 @@ def build_layout(
         pools=pools,
         layer_pool=layer_pool,
         tp=tp,
+        cache_rows=cache_rows,
     )
     return with_num_slots(layout, 1 if num_slots is None else num_slots)
 

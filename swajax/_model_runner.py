@@ -62,8 +62,8 @@ class StepResult:
     """What one step produced for one replica's plan (host numpy)."""
 
     plan: StepPlan
-    next_tokens: np.ndarray  # i32[B] the token each sampling row drew
-    finite: np.ndarray  # bool[B] whether the row's logits were all finite
+    next_tokens: np.ndarray  # i32[R] the token each sampling (serving) row drew
+    finite: np.ndarray  # bool[R] whether the row's logits were all finite
     logits: np.ndarray | None  # f32[B, V], when the step returned them
 
 
@@ -138,7 +138,7 @@ class ModelRunner:
         if self.mesh is None:
             state = init_state(layout)
             tables = initial_tables(layout)  # updated in place by the gather (per_layer mode)
-            prev_tokens = jnp.zeros((layout.max_batch,), jnp.int32)
+            prev_tokens = jnp.zeros((layout.serving_rows,), jnp.int32)
             # Committed to their device (no copy), as every step's outputs are: a first step
             # with uncommitted inputs would be a second compile of the same step.
             device = next(iter(jax.tree.leaves(state)[0].devices()))
@@ -149,7 +149,7 @@ class ModelRunner:
             self.state = _sharding.init_state_sharded(layout, self.mesh)
             self.tables = _sharding.initial_tables_sharded(layout, self.mesh)
             self.prev_tokens = jax.device_put(
-                np.zeros((self.num_replicas * layout.max_batch,), np.int32),
+                np.zeros((self.num_replicas * layout.serving_rows,), np.int32),
                 _sharding.replica_sharding(self.mesh),
             )
 

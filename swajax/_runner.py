@@ -15,8 +15,8 @@ The compiled steps are cached per (model structure, layout, decode, sampling mod
 shared by every engine of the same model and layout; a new token bucket is a new shape of the
 same function. `trace_count(layout)` counts traces (the no-recompile tests).
 
-Axis names: T packed tokens, B batch rows (serving + cache rows), S shares per list, G groups,
-V vocabulary.
+Axis names: T packed tokens, B batch rows (serving + cache rows), R serving rows
+(`KVLayout.serving_rows`), S shares per list, G groups, V vocabulary.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ class StepOutput(NamedTuple):
 
     state: KVPoolState
     tables: tuple[jax.Array, ...] | None
-    next_tokens: jax.Array  # i32[B] token drawn for each row (meaningful for sampling rows)
+    next_tokens: jax.Array  # i32[R] token drawn per serving row (meaningful for sampling rows)
     ok: jax.Array  # bool[]: reserve and every real share succeeded
     used: jax.Array  # i32[G] slots held after the reserve (the step's peak)
-    finite: jax.Array  # bool[B]: every logit of the row's last new token is finite
-    logits: jax.Array | None  # f32[B, V] of each row's last new token, if asked for
+    finite: jax.Array  # bool[R]: every logit of the row's last new token is finite
+    logits: jax.Array | None  # f32[R, V] of each serving row's last new token, if asked for
 
 
 def _shares(layout, state, shares):
@@ -132,26 +132,28 @@ def _step(
         implementation=implementation,
     )
     model = nnx.merge(graphdef, params)
-    last = jnp.clip(meta.q_starts[1:] - 1, 0, num_tokens - 1)  # [B]
+    # Only serving rows draw tokens: cache rows (prefix parking) are never unembedded.
+    rows = layout.serving_rows
+    last = jnp.clip(meta.q_starts[1 : rows + 1] - 1, 0, num_tokens - 1)  # [R]
     logits, pools = model.forward(
         tokens,
         positions,
         attention_fn=attention_fn,
         attention_state=state.pools,
         logits_indices=last,
-    )  # [B, V]: only each row's last new token is unembedded
-    keys = token_keys(inputs.key_data, inputs.token_index)
+    )  # [R, V]: only each serving row's last new token is unembedded
+    keys = token_keys(inputs.key_data[:rows], inputs.token_index[:rows])
     next_tokens = sample(
         logits,
         keys,
-        temperature=inputs.temperature,
-        top_k=inputs.top_k,
-        top_p=inputs.top_p,
+        temperature=inputs.temperature[:rows],
+        top_k=inputs.top_k[:rows],
+        top_p=inputs.top_p[:rows],
         mode=sampling_mode,
     )
     # A row whose logits hold NaN or Inf (broken weights, an overflow) is flagged, never
     # silently turned into a token: read with the tokens, no extra host sync.
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [R]
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = _shares(layout, state, inputs.shares_b)
     # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are

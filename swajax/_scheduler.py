@@ -224,17 +224,17 @@ class Scheduler:
 
     @property
     def pool_idle(self) -> bool:
-        """Whether the pool holds nothing worth keeping: no running request and no parked
-        prefix or finished history about to be parked (waiting requests hold no slot)."""
-        if self.running:
-            return False
-        return self.cache is None or (len(self.cache) == 0 and not self._release)
+        """Whether the pool may be split anew: no running request and no finished one whose
+        rows are still to be released or parked (waiting requests hold no slot; parked
+        prefixes go with the old split)."""
+        return not self.running and not self._release
 
     def rebind(self, ledger: SlotLedger, headroom: Sequence[int]) -> None:
         """Serves from `ledger`, a fresh pool of the same rows (e.g. split anew), keeping the
-        queue; only while `pool_idle`. Rows still held in the old pool are forgotten with it."""
+        queue; only while `pool_idle`. Rows still held in the old pool, parked prefixes
+        among them, are forgotten with it."""
         if not self.pool_idle:
-            raise RuntimeError("rebind needs an idle pool (no running request, no parked prefix)")
+            raise RuntimeError("rebind needs an idle pool (no running or finishing request)")
         if ledger.layout.max_batch != self.ledger.layout.max_batch:
             raise ValueError(
                 f"the new pool has {ledger.layout.max_batch} rows, the old one "
@@ -243,6 +243,8 @@ class Scheduler:
         for r in self._release:
             r.row = None
         self.ledger, self.headroom = ledger, tuple(headroom)
+        if self.cache is not None:
+            self.cache = PrefixCache(self.page_size, self.cache.rows)
         self.rows = [None] * self.serving_rows
         self._release, self._free_next = [], []
 
@@ -423,7 +425,8 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     def _release_rows(self, plan: StepPlan, protect: set) -> None:
-        """Frees the rows of finished requests, parking their histories where a row is free."""
+        """Frees the rows of finished requests, parking their histories where a row is free;
+        the new entries join `protect` (the step's entries that nothing may evict)."""
         released_a = []
         for r in self._release:
             row, r.row = r.row, None
@@ -431,7 +434,10 @@ class Scheduler:
             k = min(self.ledger.history[row], len(r.prompt) + len(r.output))
             k = k // self.page_size * self.page_size
             target = None
-            if self.cache is not None and k > 0 and len(plan.shares_a) < self.max_shares:
+            # (a sliding window ending at k may reach a block the row released already: then
+            # nothing is parked)
+            shareable = k > 0 and self.ledger.can_share(row, k)
+            if self.cache is not None and shareable and len(plan.shares_a) < self.max_shares:
                 tokens = r.tokens(0, k)
                 if not self.cache.contains(tokens):
                     # The same conversation's earlier turn (a "finished" entry this history
@@ -452,7 +458,9 @@ class Scheduler:
             if target is not None:
                 ok = self.ledger.share(row, target, k)
                 assert ok, (row, target, k)
-                self.cache.add(target, tokens, "finished")
+                # Not evicted in this step: the device frees (free_a) before it shares
+                # (shares_a), so an eviction now would free the row before it fills.
+                protect.add(self.cache.add(target, tokens, "finished"))
                 plan.shares_a.append((row, target, k))
                 plan.free_b.append(row)
             else:

@@ -4,10 +4,11 @@
         [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--chat] \\
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
-        [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas]
+        [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas] \\
+        [--no-prefix-caching] [--prefix-cache-rows N]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
     python -m swajax serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] \
-        [--max-waiting N] [--prefix-cache-rows N] [engine options]
+        [--max-waiting N] [engine options of generate]
 
 `generate` runs `swajax.jsonl.generate_jsonl` (the JSONL input and output formats and
 `--resume` are described there); `info` prints `swajax.plan.memory_plan`; `serve` runs the
@@ -216,6 +217,24 @@ def _parser() -> argparse.ArgumentParser:
             help="parameter and KV dtype (auto: bfloat16 on a GPU, float32 on a CPU)",
         )
 
+    def engine_options(q):
+        q.add_argument(
+            "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
+        )
+        q.add_argument("--prefill-chunk", type=_positive_int, default=None)
+        q.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
+        q.add_argument(
+            "--no-prefix-caching",
+            action="store_true",
+            help="turn automatic prefix caching off (on by default)",
+        )
+        q.add_argument(
+            "--prefix-cache-rows",
+            type=_positive_int,
+            default=None,
+            help="most parked prefixes at once (default: 4 x --max-batch)",
+        )
+
     g = sub.add_parser("generate", help="generate a result line for each line of a JSONL file")
     common(g, "auto", None)
     g.add_argument("--input", required=True, help="prompts.jsonl")
@@ -228,11 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_seed_argument, default=0)
     g.add_argument("--chat", action="store_true", help='"prompt" lines are user messages')
     g.add_argument("--resume", action="store_true", help="keep the results already written")
-    g.add_argument(
-        "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
-    )
-    g.add_argument("--prefill-chunk", type=_positive_int, default=None)
-    g.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
+    engine_options(g)
     g.add_argument("--no-progress", action="store_true")
 
     i = sub.add_parser("info", help="the KV layout and memory plan of a model (no weights)")
@@ -254,17 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=_port, default=8000)
     v.add_argument("--served-model-name", default=None, help="default: the --model value")
     v.add_argument("--max-context", type=_positive_int, default=None, help="default: the model's")
-    v.add_argument(
-        "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
-    )
-    v.add_argument("--prefill-chunk", type=_positive_int, default=None)
-    v.add_argument(
-        "--prefix-cache-rows",
-        type=_non_negative_int,
-        default=None,
-        help="rows that park prompt prefixes and finished conversations (default: --max-batch)",
-    )
-    v.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
+    engine_options(v)
     v.add_argument(
         "--max-waiting",
         type=_positive_int,
@@ -317,35 +322,34 @@ def run(argv=None) -> GenerateSummary | dict:
         chat=args.chat,
         resume=args.resume,
         progress=not args.no_progress,
-        config=EngineConfig(
-            kv_cache=cfg,
-            max_batch=args.max_batch,
-            max_num_tokens=args.max_num_tokens,
-            prefill_chunk_size=args.prefill_chunk,
-            implementation=args.implementation,
-        ),
+        config=_engine_config(args, cfg),
     )
     print(summary.line())
     return summary
 
 
-def _serve(args, cfg: KVCacheConfig) -> None:
-    from swajax._engine import Engine
-    from swajax.serve import serve, serving_kv_config
-
-    model, tokenizer = load_model(
-        args.model, tokenizer_dir=args.tokenizer, dtype=args.dtype, small=args.small
-    )
-    rows = args.max_batch
-    prefix_rows = rows if args.prefix_cache_rows is None else args.prefix_cache_rows
-    config = EngineConfig(
-        kv_cache=serving_kv_config(cfg) if prefix_rows else cfg,
-        max_context=args.max_context,
-        max_batch=rows,
+def _engine_config(args, cfg: KVCacheConfig) -> EngineConfig:
+    """The EngineConfig of `generate`'s and `serve`'s engine options (ValueError for a
+    --prefix-cache-rows with --no-prefix-caching)."""
+    return EngineConfig(
+        kv_cache=cfg,
+        max_context=getattr(args, "max_context", None),
+        max_batch=args.max_batch,
         max_num_tokens=args.max_num_tokens,
         prefill_chunk_size=args.prefill_chunk,
-        prefix_cache_rows=prefix_rows,
         implementation=args.implementation,
+        enable_prefix_caching=not args.no_prefix_caching,
+        prefix_cache_rows=args.prefix_cache_rows,
+    )
+
+
+def _serve(args, cfg: KVCacheConfig) -> None:
+    from swajax._engine import Engine
+    from swajax.serve import serve
+
+    config = _engine_config(args, cfg)  # ValueError before the model loads
+    model, tokenizer = load_model(
+        args.model, tokenizer_dir=args.tokenizer, dtype=args.dtype, small=args.small
     )
     engine = Engine(model, config)
     serve(

@@ -30,7 +30,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from swajax._config import KVCacheConfig
 from swajax._engine import Engine
 from swajax._requests import RequestOutput
 from swajax._sampling import SamplingParams
@@ -277,14 +276,6 @@ def _encode(value, chat: bool, tokenizer, field: str) -> list[int]:
     if not ids:
         raise RequestError(f"'{field}' is empty", field)
     return ids
-
-
-def serving_kv_config(kv: KVCacheConfig) -> KVCacheConfig:
-    """The server's KV config: sliding layers keep two pages past their window
-    (`max_rewind`), so a chat turn whose re-encoded history parts from the parked one in its
-    last two pages (the answer's final tokens rarely re-encode alike) still shares every block
-    before (`docs/design.md`, "Prefix cache")."""
-    return dataclasses.replace(kv, max_rewind=max(kv.max_rewind, 2 * kv.page_size))
 
 
 class Server:

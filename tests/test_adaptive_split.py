@@ -159,6 +159,7 @@ def test_adaptive_matches_a_ratio_pinned_for_the_queue_and_dense_greedy():
     out_p, stats_p = pinned.run(prompts, NEW)
     assert out_a == out_p == expected
     assert stats_a.num_slots == adaptive.num_slots and 2 <= stats_a.max_concurrent < ROWS
+    adaptive.clear_prefix_cache()  # parked prefixes hold slots by design
     np.testing.assert_array_equal(np.asarray(adaptive.state.free_count), adaptive.num_slots)
 
 

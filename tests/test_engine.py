@@ -128,10 +128,13 @@ def test_sampled_tokens_reproducible_under_preemption():
 def test_on_demand_allocation_serves_many_rows_without_scratch():
     """Scratch off, chunk far above the window: one request's lifetime peak holds its whole
     prompt in every sliding layer, but after its prefill it keeps only the window. A quota
-    with room for one peak plus six requests at steady state serves about six at once."""
+    with room for one peak plus six requests at steady state serves about six at once.
+    (Prefix caching off: its rewind pages would change the slot arithmetic.)"""
     model = make_model("gemma3")  # window 16, page 16
     prompts = prompts_of([96] * 8, seed=2)
-    probe = engine_for(model, scratch=False, prefill_chunk_size=96, max_num_tokens=96)
+    probe = engine_for(
+        model, scratch=False, prefill_chunk_size=96, max_num_tokens=96, enable_prefix_caching=False
+    )
     peak = swajax.pool.request_slots(probe.layout, 96, chunk=96, max_new_tokens=7)
     steady = swajax._ledger.row_peak_slots(probe.layout, [96])[0]
     size = [probe.layout.slot_bytes(g) for g in range(len(peak))]
@@ -146,6 +149,7 @@ def test_on_demand_allocation_serves_many_rows_without_scratch():
         prefill_chunk_size=96,
         max_num_tokens=96,
         min_prefill_bucket=96,
+        enable_prefix_caching=False,
     )
     # Reserving lifetime peaks would admit this many at once:
     lifetime = min(n // p for n, p in zip(engine.num_slots, peak, strict=True))
@@ -170,15 +174,15 @@ def test_multi_turn_prefix_hits_with_scratch():
 
 
 def test_round_robin_chat_sessions_reuse_their_histories():
-    """4 chat sessions x 4 turns, round robin, scratch on, one cache row per session: each
+    """4 chat sessions x 4 turns, round robin, scratch on, the default prefix cache: each
     turn starts from the session's last history (a finished history replaces the entry of the
     turn it extends, so one session's park never evicts another's). At least 80 % of the
-    reusable tokens (every earlier turn) come from the cache, and the tokens equal an
-    uncached engine's."""
+    reusable tokens (every earlier turn) come from the cache, and the tokens equal those of an
+    engine with prefix caching off."""
     model = make_model("gemma4")
     runs = {}
-    for rows in (4, 0):
-        engine = engine_for(model, prefix_cache_rows=rows, max_batch=4)
+    for cached in (True, False):
+        engine = engine_for(model, enable_prefix_caching=cached, max_batch=4)
         history = [prompts_of([50], seed=20 + s)[0] for s in range(4)]
         outs, reusable, hit = [], 0, 0
         for turn in range(4):
@@ -189,9 +193,9 @@ def test_round_robin_chat_sessions_reuse_their_histories():
                 hit += stats.prefix_tokens
                 outs.append(out[0])
                 history[s] = prompt + out[0]
-        runs[rows] = outs, hit, reusable
+        runs[cached] = outs, hit, reusable
         assert all_free(engine)
-    (cached, hit, reusable), (plain, none, _) = runs[4], runs[0]
+    (cached, hit, reusable), (plain, none, _) = runs[True], runs[False]
     assert cached == plain and none == 0
     assert hit >= 0.8 * reusable, (hit, reusable)
 

@@ -21,14 +21,13 @@ from test_text import TINY
 
 import gemma
 import swajax
-from swajax.serve import Server, StopStrings, create_app, serving_kv_config
+from swajax.serve import Server, StopStrings, create_app
 
 SETTINGS = dict(
-    kv_cache=serving_kv_config(swajax.KVCacheConfig(page_size=16)),  # as `swajax serve` has it
+    kv_cache=swajax.KVCacheConfig(page_size=16),
     max_context=512,
     max_batch=8,
     max_num_tokens=256,
-    prefix_cache_rows=8,
     implementation="reference",
 )
 NAME = "tiny"
