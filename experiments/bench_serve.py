@@ -302,6 +302,11 @@ def main(argv=None) -> int:
             "--page-size=16",
             "--implementation=reference",
         ]
+    if args.model.startswith("preset:") and not any(
+        a.startswith("--tokenizer") for a in args.server_arg
+    ):
+        # random weights need a tokenizer: the tiny model's (the preset takes its vocabulary)
+        args.server_arg = [*args.server_arg, f"--tokenizer={TINY}"]
     import openai
 
     server = None
