@@ -327,7 +327,7 @@ def main(argv=None) -> int:
         if server is not None:
             res["server_startup_s"] = server.startup_s
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        args.vocab = _vocab_size(args.model)
+        args.vocab = _vocab_size(args.model, args.server_arg)
         context = int(card["max_model_len"])
         rng = np.random.default_rng(args.seed)
         # warm the server's compiled steps so the first rate does not time compilation
@@ -355,10 +355,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _vocab_size(model: str) -> int:
+def _vocab_size(model: str, server_args: list[str]) -> int:
+    """The served model's vocabulary: a preset's is its tokenizer's (`swajax.cli.load_model`)."""
     if model.startswith("preset:"):
         import gemma
 
+        tokenizer = [a.split("=", 1)[1] for a in server_args if a.startswith("--tokenizer=")]
+        if tokenizer:
+            return gemma.load_tokenizer(tokenizer[-1]).vocab_size
         return gemma.configs.preset(model.split(":", 1)[1]).vocab_size
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)

@@ -10,16 +10,21 @@ the parked one inside the answer still starts from the blocks they share). Entri
 hashes chained over whole blocks (block i's hash covers its tokens and every block before it),
 indexed at every block of every entry, and confirmed token by token.
 
-Two kinds of entries:
+Three kinds of entries:
   - "boundary": parked when a request's prefill reaches a block boundary that other queued
     requests share (the step ends exactly there, so with scratch reuse on the window ending at
     the boundary is in normal pages, never scratch);
+  - "prompt": parked when a request's prefill ends, its sequence floored to a block, where the
+    row still holds the window ending there: the next turn of a conversation starts with this
+    prompt even where its re-encoded answer differs from the generated tokens;
   - "finished": a finished request's whole history (prompt and generated tokens, floored to a
     block), so the next turn of a conversation, which extends it, starts from it.
 
 Entries are evicted least recently used (a hit or a park counts as use) when admission needs
-their slots or a new entry needs a row; a "finished" entry may only displace another
-"finished" one, so speculative parks never push out prefixes that queued requests want.
+their slots or a new entry needs a row; a "prompt" or "finished" entry (speculative) may only
+displace another speculative one, so they never push out prefixes that queued requests want,
+and a new speculative entry drops an older one that it extends (the same conversation's earlier
+turn).
 
 Pure Python: the slots an entry holds are counted by the scheduler's `SlotLedger`.
 """
@@ -54,7 +59,7 @@ def block_hashes(tokens: Sequence[int], page_size: int, num_blocks: int | None =
 class PrefixCache:
     """Entries by (k, chained hash); LRU by a use counter."""
 
-    KINDS = ("boundary", "finished")
+    KINDS = ("boundary", "prompt", "finished")
 
     def __init__(self, page_size: int, rows: Sequence[int]):
         self.page_size = page_size

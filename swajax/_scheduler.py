@@ -449,7 +449,7 @@ class Scheduler:
                         plan.free_a.append(older.row)
                     target = self.cache.free_row()
                     if target is None:  # a speculative park displaces only another one
-                        victim = self.cache.lru(kinds=("finished",), protect=protect)
+                        victim = self.cache.lru(kinds=("finished", "prompt"), protect=protect)
                         if victim is not None:
                             self.cache.remove(victim)
                             self.ledger.free_rows([victim.row])
@@ -547,6 +547,7 @@ class Scheduler:
         if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
             return None
         parks = self._boundary_parks(step)
+        prompts = self._prompt_park_room(step, len(parks))
         ok = self.ledger.reserve(plan.new_tokens)
         assert ok, plan.new_tokens
         plan.used = self.ledger.used()
@@ -558,6 +559,7 @@ class Scheduler:
             self.cache.add(target, r.tokens(0, k), "boundary")
             plan.shares_b.append((r.row, target, k))
             r.park_at = 0
+        self._prompt_parks(plan, prompts)
         self._feed(plan)
         self._steps += 1
         return plan
@@ -667,6 +669,64 @@ class Scheduler:
                 else:
                     r.park_at = 0
         return parks
+
+    def _prompt_candidates(self, plan: StepPlan) -> list[tuple[Request, int]]:
+        """(r, k) for each row whose prefill ends this step with k = its sequence floored to a
+        block longer than the prefix it started from and not parked yet."""
+        out = []
+        for row, n in plan.new_tokens.items():
+            r = self.rows[row]
+            if r.fed + n != r.length or not (n > 1 or r.fed == r.prefix_hit_tokens):
+                continue  # not the end of a prefill (a decode row, or chunks still to come)
+            k = r.length // self.page_size * self.page_size
+            if k > r.prefix_hit_tokens and not self.cache.contains(r.tokens(0, k)):
+                out.append((r, k))
+        return out
+
+    def _prompt_park_room(self, step: _Step, boundary_parks: int) -> list[tuple[Request, int]]:
+        """The prompt parks of this step (`_prompt_parks`), with a free cache row for each:
+        least recently used speculative entries ("finished", "prompt") are evicted for them
+        now, before the step's reserve, as every eviction is (free_a)."""
+        if self.cache is None:
+            return []
+        want = self._prompt_candidates(step.plan)
+        want = want[: max(self.max_shares - boundary_parks, 0)]
+        free = len(self.cache.rows) - len(self.cache) - boundary_parks
+        while free < len(want):
+            victim = self.cache.lru(kinds=("finished", "prompt"), protect=step.used_sources)
+            if victim is None:
+                want = want[:free]
+                break
+            self.cache.remove(victim)
+            self.ledger.free_rows([victim.row])
+            step.plan.free_a.append(victim.row)
+            self.counters.evictions += 1
+            free += 1
+        return want
+
+    def _prompt_parks(self, plan: StepPlan, want: list[tuple[Request, int]]) -> None:
+        """Parks each prompt of `want` (after the step: shares_b) where the row still holds
+        every block a row sharing it reads: the next turn of a conversation starts with this
+        prompt even where it re-encodes the answer differently. Older speculative entries the
+        new one extends are dropped (their rows freed on the device next step)."""
+        obsolete = []
+        for r, k in want:
+            target = self.cache.free_row()
+            if target is None or not self.ledger.can_share(r.row, k):
+                continue
+            tokens = r.tokens(0, k)
+            older = self.cache.lookup(tokens, k - 1)
+            ok = self.ledger.share(r.row, target, k)
+            assert ok, (r.row, target, k)
+            self.cache.add(target, tokens, "prompt")
+            plan.shares_b.append((r.row, target, k))
+            if older is not None and older.kind in ("finished", "prompt"):
+                obsolete.append(older)
+        for e in obsolete:
+            if e in self.cache.entries.values():  # (two prompts may extend one entry)
+                self.cache.remove(e)
+                self.ledger.free_rows([e.row])
+                self._free_next.append(e.row)
 
     def _feed(self, plan: StepPlan) -> None:
         """The token ids each row feeds (None: its previous sample, read on the device) and

@@ -182,7 +182,10 @@ def test_no_recompile_within_a_grid_cell_and_layouts_reused():
     assert again == out_a and len(out_b) == len(out_c) == 8
 
 
-def test_parked_prefixes_hold_the_split_until_flushed():
+def test_a_re_split_drops_parked_prefixes():
+    """Parked prefixes do not hold the split (with prefix caching on by default they would
+    hold it for good): a re-split while no request runs drops them with the old pool, and the
+    engine then serves the same tokens from the new split."""
     model = make_model("gemma4")
     cfg = kv_config(True, max_gpu_total_bytes=quota_for_three(), pool_ratio="adaptive")
     eng = swajax.Engine(
@@ -190,20 +193,24 @@ def test_parked_prefixes_hold_the_split_until_flushed():
         cfg,
         max_context=128,
         max_batch=2,
-        prefix_cache_rows=1,
+        prefix_cache_rows=2,
         prefill_chunk_size=CHUNK,
         max_num_tokens=CHUNK,
         min_prefill_bucket=CHUNK,
         implementation="reference",
     )
     long, short = prompts_of([100], seed=5), prompts_of([10], seed=6)
-    eng.run(long, NEW)  # its history stays parked in the cache row
+    eng.run(long, NEW)  # its prompt and history stay parked in the cache rows
+    again, stats = eng.run(long, NEW)
+    assert stats.prefix_tokens >= 96  # served from the cache while the split holds
     slots = eng.num_slots
-    assert not eng.adapt_pool([10], NEW) and eng.num_slots == slots
-    out, _ = eng.run(short, NEW)
-    assert eng.num_slots == slots and out == dense_greedy(model, short, NEW)
-    eng.clear_prefix_cache()
     assert eng.adapt_pool([10], NEW) and eng.num_slots != slots
+    np.testing.assert_array_equal(np.asarray(eng.state.free_count), eng.num_slots)
+    out, _ = eng.run(short, NEW)
+    assert out == dense_greedy(model, short, NEW)
+    assert eng.adapt_pool([100], NEW) and eng.num_slots == slots
+    third, stats = eng.run(long, NEW)
+    assert stats.prefix_tokens == 0 and third == again == dense_greedy(model, long, NEW)
 
 
 def test_adaptive_engine_rejects_bad_requests():

@@ -200,6 +200,35 @@ def test_round_robin_chat_sessions_reuse_their_histories():
     assert hit >= 0.8 * reusable, (hit, reusable)
 
 
+def test_next_turn_starts_from_the_prompt_when_the_answer_re_encodes_differently():
+    """A chat client re-encodes the model's answer into the next turn; with real tokenizers it
+    can differ from the generated ids (here: each answer's first token replaced). The history
+    parked at the end then shares only up to the previous prompt, which is 40 tokens back
+    (past the window of 16 and its two rewind pages): the "prompt" entry parked when the
+    prefill ended serves it. Scratch on; the tokens equal an uncached engine's."""
+    model = make_model("gemma4")
+    runs = {}
+    for cached in (True, False):
+        engine = engine_for(model, enable_prefix_caching=cached, max_batch=4, max_context=256)
+        history = [prompts_of([50], seed=60 + s)[0] for s in range(3)]
+        outs, reusable, hit = [], 0, 0
+        for turn in range(3):
+            for s in range(3):
+                prompt = history[s] + prompts_of([5], seed=70 + 3 * turn + s)[0]
+                reusable += len(history[s]) if turn else 0
+                out, stats = engine.run([prompt], 40)
+                hit += stats.prefix_tokens
+                outs.append(out[0])
+                answer = [(out[0][0] + 1) % VOCAB, *out[0][1:]]  # re-encoded differently
+                history[s] = prompt + answer
+        runs[cached] = outs, hit, reusable
+        assert all_free(engine)
+    (cached, hit, reusable), (plain, none, _) = runs[True], runs[False]
+    assert cached == plain and none == 0
+    # every earlier prompt (the reusable tokens less the answers) whole blocks from the cache
+    assert hit >= 0.8 * (reusable - 6 * 40), (hit, reusable)
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
