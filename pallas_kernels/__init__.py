@@ -38,9 +38,13 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
+        module = importlib.import_module(_EXPORTS[name])
+        # Every export of that module at once: importing `pallas_kernels.kv_write` makes the
+        # package attribute `kv_write` that submodule, which the function must replace.
+        for other, where in _EXPORTS.items():
+            if where == _EXPORTS[name]:
+                globals()[other] = getattr(module, other)
+        return globals()[name]
     raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
 
 

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from gemma._hook import LayerRef
 from gemma._mesh import MODEL
-from pallas_kernels import kv_write, paged_decode_attention, ragged_paged_attention
+from pallas_kernels.kv_write import kv_write
+from pallas_kernels.paged_attention import paged_decode_attention, ragged_paged_attention
 from swajax._layout import KVLayout, PoolSpec
 from swajax._transforms import StepMetadata, layer_page_table
 
