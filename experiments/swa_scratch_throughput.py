@@ -515,6 +515,9 @@ def cell_engine(model, config, params: Params, setup: str, scratch: bool, cap: i
         implementation=params.implementation,
         admission_headroom=params.admission_headroom,
         batch_invariant=params.batch_invariant,
+        # the published experiment: distinct prompts, no prefix cache (parked histories would
+        # hold slots that the cells' occupancy figures count)
+        enable_prefix_caching=False,
     )
     if setup == "adaptive":
         engine.adapt_pool([len(p) for p in prompts], params.output_len)
@@ -640,6 +643,7 @@ def divergence_engine(model, params: Params, context: int):
         max_batch=1,
         max_num_tokens=params.max_num_tokens,
         implementation=params.implementation,
+        enable_prefix_caching=False,
     )
 
 
@@ -1112,7 +1116,9 @@ def main(argv=None) -> dict:
     from experiments._meta import run_metadata
     from swajax._compilation_cache import enable_default_cache
 
-    meta = run_metadata(**dataclasses.asdict(params), presets=presets, setups=setups)
+    meta = run_metadata(
+        **dataclasses.asdict(params), presets=presets, setups=setups, prefix_caching=False
+    )
     merge_from = args.merge or (args.out if args.out.exists() else None)
     res = {}
     if merge_from is not None and merge_from.exists():
