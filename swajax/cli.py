@@ -184,6 +184,53 @@ def _kv_cache_config(args) -> KVCacheConfig:
     )
 
 
+def _common_options(q, dtype_default, max_batch_default):
+    """The model and KV options of every command."""
+    q.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR_OR_PRESET",
+        help="a Hugging Face checkpoint directory, or preset:NAME (random weights)",
+    )
+    q.add_argument("--small", action="store_true", help="with preset:NAME: a shrunk preset")
+    q.add_argument(
+        "--kv-cap",
+        type=_bytes_argument,
+        default=None,
+        metavar="BYTES",
+        help="KV cache quota, e.g. 2GiB (default: 90%% of the device's free memory)",
+    )
+    q.add_argument("--scratch", choices=("on", "off", "auto"), default="auto")
+    q.add_argument("--page-size", type=_positive_int, default=32)
+    q.add_argument("--max-batch", type=_positive_int, default=max_batch_default)
+    q.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default=dtype_default,
+        help="parameter and KV dtype (auto: bfloat16 on a GPU, float32 on a CPU)",
+    )
+
+
+def _engine_options(q):
+    """The engine options of `generate` and `serve` (`_engine_config`)."""
+    q.add_argument(
+        "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
+    )
+    q.add_argument("--prefill-chunk", type=_positive_int, default=None)
+    q.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
+    q.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn automatic prefix caching off (on by default)",
+    )
+    q.add_argument(
+        "--prefix-cache-rows",
+        type=_positive_int,
+        default=None,
+        help="most parked prefixes at once (default: 4 x --max-batch)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m swajax",
@@ -192,51 +239,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(q, dtype_default, max_batch_default):
-        q.add_argument(
-            "--model",
-            required=True,
-            metavar="DIR_OR_PRESET",
-            help="a Hugging Face checkpoint directory, or preset:NAME (random weights)",
-        )
-        q.add_argument("--small", action="store_true", help="with preset:NAME: a shrunk preset")
-        q.add_argument(
-            "--kv-cap",
-            type=_bytes_argument,
-            default=None,
-            metavar="BYTES",
-            help="KV cache quota, e.g. 2GiB (default: 90%% of the device's free memory)",
-        )
-        q.add_argument("--scratch", choices=("on", "off", "auto"), default="auto")
-        q.add_argument("--page-size", type=_positive_int, default=32)
-        q.add_argument("--max-batch", type=_positive_int, default=max_batch_default)
-        q.add_argument(
-            "--dtype",
-            choices=("auto", "bfloat16", "float32"),
-            default=dtype_default,
-            help="parameter and KV dtype (auto: bfloat16 on a GPU, float32 on a CPU)",
-        )
-
-    def engine_options(q):
-        q.add_argument(
-            "--max-num-tokens", type=_positive_int, default=None, help="token budget of a step"
-        )
-        q.add_argument("--prefill-chunk", type=_positive_int, default=None)
-        q.add_argument("--implementation", choices=("auto", "reference", "pallas"), default="auto")
-        q.add_argument(
-            "--no-prefix-caching",
-            action="store_true",
-            help="turn automatic prefix caching off (on by default)",
-        )
-        q.add_argument(
-            "--prefix-cache-rows",
-            type=_positive_int,
-            default=None,
-            help="most parked prefixes at once (default: 4 x --max-batch)",
-        )
-
     g = sub.add_parser("generate", help="generate a result line for each line of a JSONL file")
-    common(g, "auto", None)
+    _common_options(g, "auto", None)
     g.add_argument("--input", required=True, help="prompts.jsonl")
     g.add_argument("--output", required=True, help="out.jsonl")
     g.add_argument("--tokenizer", default=None, metavar="DIR")
@@ -247,11 +251,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_seed_argument, default=0)
     g.add_argument("--chat", action="store_true", help='"prompt" lines are user messages')
     g.add_argument("--resume", action="store_true", help="keep the results already written")
-    engine_options(g)
+    _engine_options(g)
     g.add_argument("--no-progress", action="store_true")
 
     i = sub.add_parser("info", help="the KV layout and memory plan of a model (no weights)")
-    common(i, "bfloat16", 16)
+    _common_options(i, "bfloat16", 16)
     i.add_argument("--max-context", type=_positive_int, default=None, help="default: the model's")
     i.add_argument("--chunk", type=_positive_int, default=DEFAULT_CHUNK, help="prefill chunk")
     i.add_argument(
@@ -263,13 +267,13 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (swajax.serve)")
-    common(v, "auto", 16)
+    _common_options(v, "auto", 16)
     v.add_argument("--tokenizer", default=None, metavar="DIR")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_port, default=8000)
     v.add_argument("--served-model-name", default=None, help="default: the --model value")
     v.add_argument("--max-context", type=_positive_int, default=None, help="default: the model's")
-    engine_options(v)
+    _engine_options(v)
     v.add_argument(
         "--max-waiting",
         type=_positive_int,
@@ -304,6 +308,7 @@ def run(argv=None) -> GenerateSummary | dict:
         return _serve(args, cfg)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_files(args.input, args.output)
+    config = _engine_config(args, cfg)  # ValueError before the model loads
     model, tokenizer = load_model(
         args.model,
         tokenizer_dir=args.tokenizer,
@@ -322,7 +327,7 @@ def run(argv=None) -> GenerateSummary | dict:
         chat=args.chat,
         resume=args.resume,
         progress=not args.no_progress,
-        config=_engine_config(args, cfg),
+        config=config,
     )
     print(summary.line())
     return summary

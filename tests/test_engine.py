@@ -305,6 +305,27 @@ def test_sampling_params_validated(kwargs, match):
         swajax.SamplingParams(**kwargs)
 
 
+def test_engine_config_prefix_caching_defaults_and_errors():
+    """On by default: 4 cache rows per serving row and two pages past each window; off: no
+    cache row and the user's max_rewind; contradictions are ValueErrors naming the fields."""
+    kv = swajax.KVCacheConfig(page_size=16)
+    on = swajax.EngineConfig(kv_cache=kv, max_batch=3).resolved(256)
+    assert on.enable_prefix_caching and on.prefix_cache_rows == 12
+    assert on.kv_cache.max_rewind == 32 and kv.max_rewind == 0
+    assert (
+        swajax.EngineConfig(kv_cache=kv, prefix_cache_rows=5).resolved(256).prefix_cache_rows == 5
+    )
+    off = swajax.EngineConfig(kv_cache=kv, max_batch=3, enable_prefix_caching=False).resolved(256)
+    assert off.prefix_cache_rows == 0 and off.kv_cache == kv
+    assert off.resolved(256) == off and on.resolved(256) == on  # resolving is idempotent
+    with pytest.raises(ValueError, match="prefix_cache_rows=4 needs enable_prefix_caching=True"):
+        swajax.EngineConfig(enable_prefix_caching=False, prefix_cache_rows=4)
+    with pytest.raises(ValueError, match="enable_prefix_caching=False to turn prefix caching off"):
+        swajax.EngineConfig(prefix_cache_rows=0)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        swajax.EngineConfig(enable_prefix_caching=1)
+
+
 def test_engine_and_generate_arguments_validated():
     model = make_model("gemma3")
     with pytest.raises(ValueError, match="max_num_tokens"):
