@@ -238,6 +238,8 @@ def engine_cross_check(
             prefill_chunk_size=chunk,
             implementation="reference",
             min_prefill_bucket=chunk,  # one compiled prefill variant
+            # one sequence's own KV: no rewind pages, no parked prefix
+            enable_prefix_caching=False,
         )
         out, stats = engine.run([prompt], max_new_tokens)
         outputs.append(out)

@@ -518,6 +518,7 @@ def run_engine(prompt_len: int = PROMPT_LEN, decode_steps: int = DECODE_STEPS) -
             max_batch=1,
             prefill_chunk_size=CHUNK,
             implementation="reference",
+            enable_prefix_caching=False,  # the pages of the sequence alone
             min_prefill_bucket=CHUNK,
         )
         out, stats = engine.run([prompt], decode_steps + 1)

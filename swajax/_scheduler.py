@@ -711,10 +711,10 @@ class Scheduler:
         new one extends are dropped (their rows freed on the device next step)."""
         obsolete = []
         for r, k in want:
-            target = self.cache.free_row()
-            if target is None or not self.ledger.can_share(r.row, k):
-                continue
             tokens = r.tokens(0, k)
+            target = self.cache.free_row()
+            if target is None or self.cache.contains(tokens) or not self.ledger.can_share(r.row, k):
+                continue  # (a boundary park of this step may have parked the same prefix)
             older = self.cache.lookup(tokens, k - 1)
             ok = self.ledger.share(r.row, target, k)
             assert ok, (r.row, target, k)

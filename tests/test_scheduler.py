@@ -486,9 +486,10 @@ def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
 
 
 def test_a_prefix_is_parked_once():
-    """Request 0's finished history (20 tokens) is parked in the step where request 1's prefill
-    reaches its boundary park at the same 20 tokens (which request 2 shares): the prefix is
-    parked once, so no cache row holds blocks that no entry accounts for."""
+    """Request 0's prompt (20 tokens) is parked when its prefill ends; in the next step request
+    1's prefill reaches its boundary park at the same 20 tokens (which request 2 shares) and
+    request 0 finishes with the same 20 tokens of history: neither parks it again, so no cache
+    row holds blocks that no entry accounts for, and request 2 starts from the parked prompt."""
     s = make(rows=2, budget=64, chunk=8, cache_rows=2)
     prefix = tuple(range(1, 21))
     s.add(Request(id=0, prompt=prefix, max_new_tokens=1))
@@ -501,10 +502,14 @@ def test_a_prefix_is_parked_once():
             ]
         },
     )
+    assert steps[2].plan.shares_b == [(0, 2, 20)]  # the prompt, as its prefill ends
     both = steps[3].plan
-    assert both.shares_a == [(0, 2, 20)] and both.new_tokens[1] == 4 and not both.shares_b
+    assert both.new_tokens[1] == 4 and not both.shares_b  # the boundary park: parked already
+    assert both.free_a == [0] and both.shares_a == [(2, 0, 20)]  # history not parked again
     assert s.counters.prefix_hits == 1 and s.counters.prefix_tokens == 20
     assert all(r.status == FINISHED for r in s.requests.values())
+    held = {row for row in (2, 3) if not s.ledger.is_empty(row)}
+    assert held == {e.row for e in s.cache.entries.values()}
     s.clear_cache()
     assert s.ledger.free == [100]
 
