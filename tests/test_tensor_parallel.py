@@ -307,8 +307,10 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
     assert logits.keys() == expected_logits.keys()
     for key, value in logits.items():
         np.testing.assert_allclose(value, expected_logits[key], rtol=1e-5, atol=1e-5)
-    # the pool ran short on every mesh (a parked prefix evicted or a request preempted)
-    assert stats.preemptions + stats.evictions > 0, stats
+    # One replica preempts as the one-device engine does; two replicas split the three prompts,
+    # each with a pool of that size, and (with two rewind pages per sliding row since prefix
+    # caching is on by default) no longer run short.
+    assert stats.preemptions > 0 or dp > 1, stats
     assert engine.trace_count == 2  # one prefill and one decode variant
     # Every slot of every replica is back on its free stacks; every replica served rows.
     engine.clear_prefix_cache()  # parked prefixes hold slots by design
