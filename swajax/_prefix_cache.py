@@ -35,6 +35,9 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+# Entries parked for requests that may never come: they displace only each other.
+SPECULATIVE = ("prompt", "finished")
+
 
 @dataclasses.dataclass(eq=False)
 class PrefixEntry:

@@ -61,7 +61,7 @@ import math
 from collections.abc import Sequence
 
 from swajax._ledger import SlotLedger
-from swajax._prefix_cache import PrefixCache, PrefixEntry
+from swajax._prefix_cache import SPECULATIVE, PrefixCache, PrefixEntry
 
 # A request's states: WAITING (queued, no row) -> RUNNING (a row, prefill then decode) ->
 # FINISHED (finish_reason "stop", "length", "abort" or "error"); a running request that must
@@ -276,12 +276,7 @@ class Scheduler:
         """Evicts every parked prefix; returns the cache rows to free."""
         if self.cache is None:
             return []
-        rows = [e.row for e in list(self.cache.entries.values())]
-        for e in list(self.cache.entries.values()):
-            self.cache.remove(e)
-        self.ledger.free_rows(rows)
-        self._free_next += rows
-        return rows
+        return [self._drop(e, self._free_next) for e in list(self.cache.entries.values())]
 
     def bookkeeping_plan(self) -> StepPlan | None:
         """A plan with only the frees of aborted requests and cleared cache rows, or None."""
@@ -402,15 +397,21 @@ class Scheduler:
             return budget // self.cut_align * self.cut_align
         return 0
 
+    def _drop(self, entry: PrefixEntry, frees: list[int]) -> int:
+        """Removes a cache entry and frees its row in the ledger now and on the device with
+        `frees` (a plan's free_a, or `_free_next`); returns the row."""
+        self.cache.remove(entry)
+        self.ledger.free_rows([entry.row])
+        frees.append(entry.row)
+        return entry.row
+
     def _evict(self, plan: StepPlan, protect=()) -> bool:
         if self.cache is None:
             return False
         victim = self.cache.lru(protect=protect)
         if victim is None:
             return False
-        self.cache.remove(victim)
-        self.ledger.free_rows([victim.row])
-        plan.free_a.append(victim.row)
+        self._drop(victim, plan.free_a)
         self.counters.evictions += 1
         return True
 
@@ -444,17 +445,12 @@ class Scheduler:
                     # extends) gives way to it: its blocks are a prefix of these.
                     older = self.cache.lookup(tokens, k - 1)
                     if older is not None and older.kind == "finished" and older not in protect:
-                        self.cache.remove(older)
-                        self.ledger.free_rows([older.row])
-                        plan.free_a.append(older.row)
+                        self._drop(older, plan.free_a)
                     target = self.cache.free_row()
                     if target is None:  # a speculative park displaces only another one
-                        victim = self.cache.lru(kinds=("finished", "prompt"), protect=protect)
+                        victim = self.cache.lru(kinds=SPECULATIVE, protect=protect)
                         if victim is not None:
-                            self.cache.remove(victim)
-                            self.ledger.free_rows([victim.row])
-                            plan.free_a.append(victim.row)
-                            target = victim.row
+                            target = self._drop(victim, plan.free_a)
             if target is not None:
                 ok = self.ledger.share(row, target, k)
                 assert ok, (row, target, k)
@@ -480,10 +476,7 @@ class Scheduler:
         victim = self.cache.lru(protect=protect)
         if victim is None:
             return None
-        self.cache.remove(victim)
-        self.ledger.free_rows([victim.row])
-        plan.free_a.append(victim.row)
-        return victim.row
+        return self._drop(victim, plan.free_a)
 
     def _plan_park(self, r: Request, start: int) -> None:
         """r.park_at: the longest block-aligned prefix r shares with a waiting request."""
@@ -693,13 +686,11 @@ class Scheduler:
         want = want[: max(self.max_shares - boundary_parks, 0)]
         free = len(self.cache.rows) - len(self.cache) - boundary_parks
         while free < len(want):
-            victim = self.cache.lru(kinds=("finished", "prompt"), protect=step.used_sources)
+            victim = self.cache.lru(kinds=SPECULATIVE, protect=step.used_sources)
             if victim is None:
                 want = want[:free]
                 break
-            self.cache.remove(victim)
-            self.ledger.free_rows([victim.row])
-            step.plan.free_a.append(victim.row)
+            self._drop(victim, step.plan.free_a)
             self.counters.evictions += 1
             free += 1
         return want
@@ -720,13 +711,11 @@ class Scheduler:
             assert ok, (r.row, target, k)
             self.cache.add(target, tokens, "prompt")
             plan.shares_b.append((r.row, target, k))
-            if older is not None and older.kind in ("finished", "prompt"):
+            if older is not None and older.kind in SPECULATIVE:
                 obsolete.append(older)
         for e in obsolete:
             if e in self.cache.entries.values():  # (two prompts may extend one entry)
-                self.cache.remove(e)
-                self.ledger.free_rows([e.row])
-                self._free_next.append(e.row)
+                self._drop(e, self._free_next)
 
     def _feed(self, plan: StepPlan) -> None:
         """The token ids each row feeds (None: its previous sample, read on the device) and

@@ -179,25 +179,36 @@ def test_round_robin_chat_sessions_reuse_their_histories():
     turn it extends, so one session's park never evicts another's). At least 80 % of the
     reusable tokens (every earlier turn) come from the cache, and the tokens equal those of an
     engine with prefix caching off."""
+    cached, plain, hit, reusable = chat_rounds(sessions=4, turns=4, new=4, seed=20)
+    assert cached == plain
+    assert hit >= 0.8 * reusable, (hit, reusable)
+
+
+def chat_rounds(*, sessions, turns, new, seed, re_encode=lambda answer: answer, **engine_kw):
+    """Round-robin chat turns (each the session's history plus 5 new tokens, greedy) with
+    prefix caching on and off: (cached outputs, uncached outputs, prompt tokens served from
+    the cache, reusable tokens = the earlier turns' histories). `re_encode` maps an answer to
+    the ids the next turn carries. The uncached engine's hits are asserted to be 0."""
     model = make_model("gemma4")
     runs = {}
     for cached in (True, False):
-        engine = engine_for(model, enable_prefix_caching=cached, max_batch=4)
-        history = [prompts_of([50], seed=20 + s)[0] for s in range(4)]
+        engine = engine_for(model, enable_prefix_caching=cached, max_batch=4, **engine_kw)
+        history = [prompts_of([50], seed=seed + s)[0] for s in range(sessions)]
         outs, reusable, hit = [], 0, 0
-        for turn in range(4):
-            for s in range(4):
-                prompt = history[s] + prompts_of([5], seed=40 + 4 * turn + s)[0]
+        for turn in range(turns):
+            for s in range(sessions):
+                more = prompts_of([5], seed=seed + 20 + sessions * turn + s)[0]
+                prompt = history[s] + more
                 reusable += len(history[s]) if turn else 0
-                out, stats = engine.run([prompt], 4)
+                out, stats = engine.run([prompt], new)
                 hit += stats.prefix_tokens
                 outs.append(out[0])
-                history[s] = prompt + out[0]
+                history[s] = prompt + re_encode(out[0])
         runs[cached] = outs, hit, reusable
         assert all_free(engine)
     (cached, hit, reusable), (plain, none, _) = runs[True], runs[False]
-    assert cached == plain and none == 0
-    assert hit >= 0.8 * reusable, (hit, reusable)
+    assert none == 0
+    return cached, plain, hit, reusable
 
 
 def test_next_turn_starts_from_the_prompt_when_the_answer_re_encodes_differently():
@@ -206,25 +217,15 @@ def test_next_turn_starts_from_the_prompt_when_the_answer_re_encodes_differently
     parked at the end then shares only up to the previous prompt, which is 40 tokens back
     (past the window of 16 and its two rewind pages): the "prompt" entry parked when the
     prefill ended serves it. Scratch on; the tokens equal an uncached engine's."""
-    model = make_model("gemma4")
-    runs = {}
-    for cached in (True, False):
-        engine = engine_for(model, enable_prefix_caching=cached, max_batch=4, max_context=256)
-        history = [prompts_of([50], seed=60 + s)[0] for s in range(3)]
-        outs, reusable, hit = [], 0, 0
-        for turn in range(3):
-            for s in range(3):
-                prompt = history[s] + prompts_of([5], seed=70 + 3 * turn + s)[0]
-                reusable += len(history[s]) if turn else 0
-                out, stats = engine.run([prompt], 40)
-                hit += stats.prefix_tokens
-                outs.append(out[0])
-                answer = [(out[0][0] + 1) % VOCAB, *out[0][1:]]  # re-encoded differently
-                history[s] = prompt + answer
-        runs[cached] = outs, hit, reusable
-        assert all_free(engine)
-    (cached, hit, reusable), (plain, none, _) = runs[True], runs[False]
-    assert cached == plain and none == 0
+    cached, plain, hit, reusable = chat_rounds(
+        sessions=3,
+        turns=3,
+        new=40,
+        seed=60,
+        re_encode=lambda answer: [(answer[0] + 1) % VOCAB, *answer[1:]],
+        max_context=256,
+    )
+    assert cached == plain
     # every earlier prompt (the reusable tokens less the answers) whole blocks from the cache
     assert hit >= 0.8 * (reusable - 6 * 40), (hit, reusable)
 
