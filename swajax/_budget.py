@@ -11,6 +11,8 @@ Owns (docs/design.md "Budget"):
     always counts, so scratch reuse changes the split and is never inert).
   - `fitted_pool_ratio` / `adaptive_split`: the split for sequences of a given length at the
     batch the quota holds, and the policy of `pool_ratio="adaptive"` (grid, hysteresis).
+  - `OnlineRebalance`: the policy of `pool_ratio="online"` (observed demand, moving average,
+    threshold, cooldown, the same grid).
   - `kv_bytes_per_sequence` / `request_slots`: exact per-sequence slot counts, simulated step by
     step with the same stale / scratch range formulas as the transforms.
 """
@@ -420,6 +422,82 @@ def adaptive_split(
     return AdaptiveSplit(tuple(point), ratio, _check_slots(layout, quota, slots))
 
 
+class OnlineRebalance:
+    """The policy of `pool_ratio="online"`: the split follows the observed slot demand.
+
+    Each step the engine reports every group's demand in slots (`observe`): the slots its
+    running rows hold plus what the queue's next admissions need alone (`request_slots`), the
+    slots of parked prefixes left out (they are evictable). The policy keeps an exponential
+    moving average of each group's demand in bytes (weight `ema` per step). `propose` returns a
+    new split when
+      1. at least `cooldown` steps passed since the last one (or `force`: a queued request
+         does not fit the split at all), and
+      2. some group's byte share of the average differs from its share of the current split by
+         more than `threshold` (relative);
+    the new split is the average's shares snapped to the adaptive grid (`ADAPTIVE_GRID_STEPS`
+    points per octave relative to group 0, so that nearby demands reuse one compiled layout),
+    each group raised to `minimum[g]` (its slots in use, its admission headroom, the largest
+    queued request's need), the bytes taken from the others. The re-split itself moves the
+    pages of running rows (`swajax._transforms.resize`).
+    """
+
+    def __init__(
+        self,
+        quota: int,
+        *,
+        ema: float,
+        threshold: float,
+        cooldown: int,
+        steps: int = ADAPTIVE_GRID_STEPS,
+    ):
+        self.quota, self.ema, self.threshold, self.cooldown = quota, ema, threshold, cooldown
+        self.steps = steps
+        self.average: list[float] | None = None  # bytes per group
+        self.since = cooldown  # steps since the last re-split
+
+    def observe(self, layout: KVLayout, demand: Sequence[float]) -> None:
+        """One step's demand, slots per group."""
+        nbytes = [d * layout.slot_bytes(g) for g, d in enumerate(demand)]
+        if self.average is None:
+            self.average = nbytes
+        else:
+            self.average = [
+                a + self.ema * (b - a) for a, b in zip(self.average, nbytes, strict=True)
+            ]
+        self.since += 1
+
+    def propose(
+        self, layout: KVLayout, minimum: Sequence[int], *, force: bool = False
+    ) -> tuple[int, ...] | None:
+        """The slot counts of a new split, or None to keep the current one."""
+        if self.average is None or (not force and self.since < self.cooldown):
+            return None
+        total = sum(self.average)
+        if total <= 0:
+            return None
+        num_groups = len(layout.groups)
+        held = [layout.slot_bytes(g) * layout.groups[g].num_slots for g in range(num_groups)]
+        # a group with no demand keeps a sliver of weight (its minimum slots come below)
+        target = [max(a / total, 1e-3) for a in self.average]
+        shares = [h / sum(held) for h in held]
+        moved = any(abs(t / c - 1.0) > self.threshold for t, c in zip(target, shares, strict=True))
+        if not moved and not force:
+            return None
+        point = [round(x) for x in _log_weights(target, self.steps)]
+        weights = [2.0 ** (e / self.steps) for e in point]
+        ratio = [w / sum(weights) for w in weights]
+        slots = _split_slots(layout, self.quota, ratio, redistribute=True, minimum=minimum)
+        nbytes = sum(n * layout.slot_bytes(g) for g, n in enumerate(slots))
+        current = tuple(g.num_slots for g in layout.groups)
+        if nbytes > self.quota or tuple(slots) == current:
+            return None
+        return tuple(slots)
+
+    def resplit(self) -> None:
+        """A proposed split was applied: the cooldown starts again."""
+        self.since = 0
+
+
 # ----------------------------------------------------------------------------- per sequence
 
 
@@ -512,13 +590,16 @@ def kv_bytes_per_sequence(
 
 
 class PoolSplit:
-    """The byte quota and its split across pool groups: pinned, or adaptive (re-split while
-    idle, see the module text); the admission headroom that goes with a split."""
+    """The byte quota and its split across pool groups: pinned, adaptive (re-split while idle)
+    or online (re-split between steps, `OnlineRebalance`); the admission headroom that goes
+    with a split."""
 
-    def __init__(self, quota: int, adaptive: bool, fraction: float):
+    def __init__(self, quota: int, adaptive: bool, fraction: float, online=None):
         self.quota, self.adaptive, self.fraction = quota, adaptive, fraction
         self.current = None  # the adaptive split in effect
         self.headroom: tuple[int, ...] = ()
+        self.online: OnlineRebalance | None = online  # pool_ratio="online"
+        self.resplits = 0  # splits applied while requests ran ("online")
 
     def check(self, layout, need, have, prompt_len: int, max_new_tokens: int) -> None:
         """ValueError when a request needing `need` slots per group can never fit."""
@@ -538,6 +619,13 @@ class PoolSplit:
                     f"{what} needs {n} slots of pool group {g} (life cycle "
                     f"{layout.groups[g].life_cycle}) but the pool has {h}; {fix}"
                 )
+
+    def rebalanced(self, layout, demand, minimum, force: bool):
+        """pool_ratio="online": observes one step's slot demand (`Scheduler.slot_demand`) and
+        returns the layout of the split the policy proposes, or None to keep the split."""
+        self.online.observe(layout, demand)
+        slots = self.online.propose(layout, minimum, force=force)
+        return None if slots is None else with_num_slots(layout, slots)
 
     def split(self, layout, requests, config):
         """The slot counts the policy picks for these requests, or None to keep the split."""

@@ -15,7 +15,9 @@ import numpy as np
 
 KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 PAGE_TABLE_MODES = ("per_layer", "shared")
-ADAPTIVE = "adaptive"  # pool_ratio mode: the split follows the queued requests
+ADAPTIVE = "adaptive"  # pool_ratio mode: the split follows the queued requests (while idle)
+ONLINE = "online"  # pool_ratio mode: the split follows the observed slot demand (between steps)
+POOL_RATIO_MODES = (ADAPTIVE, ONLINE)
 
 
 def _positive_int(name: str, value, *, allow_none: bool = True, minimum: int = 1) -> None:
@@ -76,11 +78,19 @@ class KVCacheConfig:
     chunk_size: int | None = None
     max_batch: int | None = None
     max_num_tokens: int | None = None
+    rebalance_ema: float = 0.1
+    rebalance_threshold: float = 0.1
+    rebalance_cooldown: int = 32
 
     @property
     def adaptive_pool_ratio(self) -> bool:
-        """Whether pool_ratio="adaptive": the split follows the queued requests."""
+        """Whether the engine sizes the split (pool_ratio "adaptive" or "online")."""
         return isinstance(self.pool_ratio, str)
+
+    @property
+    def online_pool_ratio(self) -> bool:
+        """Whether pool_ratio="online": the split follows the observed demand between steps."""
+        return self.pool_ratio == ONLINE
 
     def __post_init__(self):
         _positive_int("page_size", self.page_size, allow_none=False)
@@ -91,10 +101,10 @@ class KVCacheConfig:
         ):
             raise ValueError(f"free_gpu_memory_fraction must be in (0, 1], got {f!r}")
         if isinstance(self.pool_ratio, str):
-            if self.pool_ratio != ADAPTIVE:
+            if self.pool_ratio not in POOL_RATIO_MODES:
                 raise ValueError(
-                    f"pool_ratio must be None, {ADAPTIVE!r} or a tuple of positive floats (one "
-                    f"per pool group), got {self.pool_ratio!r}"
+                    f"pool_ratio must be None, one of {POOL_RATIO_MODES} or a tuple of positive "
+                    f"floats (one per pool group), got {self.pool_ratio!r}"
                 )
         elif self.pool_ratio is not None:
             ratio = self.pool_ratio
@@ -104,7 +114,8 @@ class KVCacheConfig:
                 ratio = tuple(float(r) for r in ratio)
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"pool_ratio must be None, {ADAPTIVE!r} or a tuple of positive floats, got "
+                    f"pool_ratio must be None, one of {POOL_RATIO_MODES} or a tuple of positive "
+                    "floats, got "
                     f"{self.pool_ratio!r}"
                 ) from None
             if not ratio or any(not math.isfinite(r) or r <= 0 for r in ratio):
@@ -134,6 +145,15 @@ class KVCacheConfig:
         _positive_int("chunk_size", self.chunk_size)
         _positive_int("max_batch", self.max_batch)
         _positive_int("max_num_tokens", self.max_num_tokens)
+        for name, allowed, inside in (
+            ("rebalance_ema", "(0, 1]", lambda v: 0.0 < v <= 1.0),
+            ("rebalance_threshold", ">= 0", lambda v: v >= 0.0),
+        ):
+            v = getattr(self, name)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not number or not math.isfinite(v) or not inside(v):
+                raise ValueError(f"{name} must be a float in {allowed}, got {v!r}")
+        _positive_int("rebalance_cooldown", self.rebalance_cooldown, allow_none=False)
 
 
 def resolve_scratch_policy(

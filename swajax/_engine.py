@@ -23,7 +23,9 @@ counts are static shapes of the compiled step, so a new split is a new layout (c
 then shared); the pool is split anew only while no request runs (parked prefixes are dropped
 with the old split), to the split that fits the most requests of the queue's mean length,
 snapped to a coarse grid; every queued request fits the new split alone; the quota never
-changes.
+changes. `pool_ratio="online"` (`swajax._budget.OnlineRebalance`) re-splits between steps
+instead, from the slot demand observed per group, with the running requests' pages moved into
+the new split (`swajax._transforms.resize`).
 
 Robustness: the donating step call defers SIGINT until the new state is held; an exception or
 KeyboardInterrupt inside a stream aborts that stream's requests and frees their rows, so the
@@ -43,7 +45,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from swajax import _sharding, _validate
-from swajax._budget import PoolSplit, kv_quota_bytes, plan_num_slots, request_slots
+from swajax._budget import (
+    OnlineRebalance,
+    PoolSplit,
+    kv_quota_bytes,
+    plan_num_slots,
+    request_slots,
+)
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
 from swajax._engine_config import EngineConfig
@@ -117,7 +125,16 @@ class Engine:
             cache_rows=cfg.prefix_cache_rows,
         )
         # The quota is read once: a re-split pool must not see the old pool as used memory.
-        self.pool = PoolSplit(kv_quota_bytes(kv), kv.adaptive_pool_ratio, cfg.admission_headroom)
+        quota = kv_quota_bytes(kv)
+        online = None
+        if kv.online_pool_ratio:
+            online = OnlineRebalance(
+                quota,
+                ema=kv.rebalance_ema,
+                threshold=kv.rebalance_threshold,
+                cooldown=kv.rebalance_cooldown,
+            )
+        self.pool = PoolSplit(quota, kv.adaptive_pool_ratio, cfg.admission_headroom, online)
         layout = with_num_slots(layout, plan_num_slots(layout, kv, self.pool.quota))
         graphdef, params = nnx.split(model)
         if param_specs is not None:
@@ -336,9 +353,29 @@ class Engine:
         self.runner.set_layout(with_num_slots(self.layout, num_slots))
         self.pool.headroom = default_headroom(self.num_slots, self.pool.fraction)
         self.replicas.rebind(self.layout, self.pool.headroom)
+        self._count_resplit()
+        return True
+
+    def _rebalance(self) -> list[RequestOutput]:
+        """pool_ratio="online": the split the policy proposes from this step's slot demand,
+        applied between steps with the running requests kept (the step in flight is read
+        first; its outputs are returned). Skipped while the device lacks the room for both
+        pools."""
+        layout = self.pool.rebalanced(self.layout, *self.replicas.slot_demand())
+        if layout is None or not self.runner.can_resize(layout):
+            return []
+        outputs = self._postprocess(self.runner.collect())
+        self.runner.resize(layout)
+        self.pool.headroom = default_headroom(self.num_slots, self.pool.fraction)
+        self.replicas.resize(layout, self.pool.headroom)
+        self.pool.online.resplit()
+        self._count_resplit()
+        return outputs
+
+    def _count_resplit(self) -> None:
         for rec in self._recordings:
             rec.stats.num_slots = tuple(n * self.runner.num_replicas for n in self.num_slots)
-        return True
+            rec.stats.resplits += 1
 
     def clear_prefix_cache(self) -> None:
         """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
@@ -364,7 +401,10 @@ class Engine:
         outputs = []
         try:
             outputs += self._apply_inbox()
-            if self.pool.adaptive and self.runner.in_flight is None:
+            if self.pool.online is not None:
+                if self.replicas.has_work:
+                    outputs += self._rebalance()
+            elif self.pool.adaptive and self.runner.in_flight is None:
                 self._adapt()
             plans = self.replicas.schedule()
             if plans is None:

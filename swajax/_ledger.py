@@ -209,6 +209,20 @@ class SlotLedger:
                 self.scratch[g][b] = 0
             self.history[b] = self.cap[b] = 0
 
+    def resize(self, layout: KVLayout) -> None:
+        """The same rows in `layout`'s slot counts (mirrors `swajax._transforms.resize`: held
+        blocks keep their ids here, the device renames their slots). Between steps only."""
+        used = self.used()
+        if self.cap != self.history or any(
+            self.scratch[g][b] for g in range(len(used)) for b in range(len(self.cap))
+        ):
+            raise RuntimeError("resize needs the pool between steps (a step is in flight)")
+        new = tuple(g.num_slots for g in layout.groups)
+        if len(new) != len(used) or any(u > n for u, n in zip(used, new, strict=False)):
+            raise ValueError(f"slots per group {list(new)} cannot hold the {list(used)} in use")
+        self.layout = layout
+        self.free = [n - u for n, u in zip(new, used, strict=True)]
+
     def _shared_blocks(self, src: int, num_tokens: int) -> tuple[int, list[set]] | None:
         """(k, the block offsets per group that a row sharing src's first k tokens reads), or
         None when src no longer holds one of them."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 from typing import NamedTuple
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from swajax import _sharding
+from swajax import _transforms as transforms
 from swajax._layout import KVLayout
 from swajax._runner import (
     bookkeeping_step,
@@ -65,6 +67,19 @@ class StepResult:
     next_tokens: np.ndarray  # i32[R] the token each sampling (serving) row drew
     finite: np.ndarray  # bool[R] whether the row's logits were all finite
     logits: np.ndarray | None  # f32[B, V], when the step returned them
+
+
+@functools.lru_cache(maxsize=16)
+def _resize_fn(old: KVLayout, new: KVLayout, mesh):
+    """`resize(old, new, state)` compiled (per replica on a mesh). Not donated: no output has
+    an input's shape where a group's slot count changes, and the old pool goes right after."""
+    fn = functools.partial(transforms.resize, old, new)
+    if mesh is None:
+        return jax.jit(fn)
+    return jax.jit(
+        _sharding.per_replica(fn, mesh, 0),
+        out_shardings=(_sharding.replica_sharding(mesh), _sharding.state_shardings(new, mesh)),
+    )
 
 
 def round_up(n: int, m: int) -> int:
@@ -130,11 +145,7 @@ class ModelRunner:
     def set_layout(self, layout: KVLayout) -> None:
         """A fresh, empty pool of `layout` (the old pool roots go before the new ones come)."""
         self.state = self.tables = self.prev_tokens = None
-        self.layout = layout
-        self._traces_at_start.setdefault(layout, trace_count(layout))
-        self._compiled: dict[StepShape, object] = {}
-        self.ran: set[StepShape] = set()  # step shapes dispatched on this layout
-        self.in_flight: tuple[list[StepPlan], object] | None = None
+        self._use_layout(layout)
         if self.mesh is None:
             state = init_state(layout)
             tables = initial_tables(layout)  # updated in place by the gather (per_layer mode)
@@ -152,6 +163,47 @@ class ModelRunner:
                 np.zeros((self.num_replicas * layout.serving_rows,), np.int32),
                 _sharding.replica_sharding(self.mesh),
             )
+
+    def _use_layout(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._traces_at_start.setdefault(layout, trace_count(layout))
+        self._compiled: dict[StepShape, object] = {}
+        self.ran: set[StepShape] = set()  # step shapes dispatched on this layout
+        self.in_flight: tuple[list[StepPlan], object] | None = None
+
+    def can_resize(self, layout: KVLayout) -> bool:
+        """Whether the device has room for `layout`'s pool roots beside the current ones (a
+        re-split holds both while it moves the pages); True without memory statistics."""
+        need = sum(layout.slot_bytes(g) * grp.num_slots for g, grp in enumerate(layout.groups))
+        device = next(iter(jax.tree.leaves(self.state)[0].devices()))
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - a backend without statistics (CPU)
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return True
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) >= need
+
+    def resize(self, layout: KVLayout) -> None:
+        """Moves the pool, its rows kept, into `layout` (the same but for its slot counts per
+        group; `swajax._transforms.resize`). Between steps only; the page tables start afresh
+        and the new layout's steps compile on first use."""
+        if self.in_flight is not None:
+            raise RuntimeError("resize needs the step in flight collected first")
+        fn = _resize_fn(self.layout, layout, self.mesh)
+        ok, state = fn(self.state)
+        if not bool(np.all(np.asarray(ok))):  # the old state is still whole: keep serving it
+            raise RuntimeError(
+                "internal error: the pool cannot be resized (more slots held than the new "
+                "split has, or a step in flight) although the ledger allowed it"
+            )
+        self.state = state
+        self._use_layout(layout)
+        if self.mesh is None:
+            device = next(iter(jax.tree.leaves(state)[0].devices()))
+            self.tables = jax.device_put(initial_tables(layout), device)
+        else:
+            self.tables = _sharding.initial_tables_sharded(layout, self.mesh)
 
     @property
     def state_lost(self) -> bool:

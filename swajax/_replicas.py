@@ -100,6 +100,19 @@ class Replicas:
         for s in self.schedulers:
             s.rebind(SlotLedger(layout), headroom)
 
+    def slot_demand(self) -> tuple[list[int], list[int], bool]:
+        """`Scheduler.slot_demand` over the replicas: demand summed, minimum the largest
+        (every replica's pool has the one layout), force if any replica's."""
+        parts = [s.slot_demand() for s in self.schedulers]
+        demand = [sum(d) for d in zip(*(p[0] for p in parts), strict=True)]
+        minimum = [max(m) for m in zip(*(p[1] for p in parts), strict=True)]
+        return demand, minimum, any(p[2] for p in parts)
+
+    def resize(self, layout, headroom) -> None:
+        """Every scheduler onto its pool split anew, requests kept (`Scheduler.resize`)."""
+        for s in self.schedulers:
+            s.resize(layout, headroom)
+
     def clear_cache(self) -> None:
         for s in self.schedulers:
             s.clear_cache()

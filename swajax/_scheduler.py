@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -247,6 +248,37 @@ class Scheduler:
             self.cache = PrefixCache(self.page_size, self.cache.rows)
         self.rows = [None] * self.serving_rows
         self._release, self._free_next = [], []
+
+    def slot_demand(self) -> tuple[list[int], list[int], bool]:
+        """What the "online" split policy observes (`swajax._budget.OnlineRebalance`):
+        (demand, minimum, force), per group. demand: slots held by running rows (parked
+        prefixes left out) + what the queued requests that have a free row would each need
+        alone; minimum: slots held + admission headroom, and at least the next queued request's
+        need; force: that request does not fit the split at all."""
+        led = self.ledger
+        held = list(led.used())
+        demand = list(held)
+        if self.cache is not None and len(self.cache):
+            parked = led.exclusive_slots(self.cache.rows)
+            demand = [d - p for d, p in zip(demand, parked, strict=True)]
+        minimum = [h + r for h, r in zip(held, self.headroom or (0,) * len(held), strict=True)]
+        force = False
+        free_rows = self.serving_rows - len(self.running)
+        for i, r in enumerate(itertools.islice(self.waiting, max(free_rows, 1))):
+            left = max(r.max_new_tokens - len(r.output), 1)
+            need = led.prefill_peak(len(r.prompt) + len(r.output) + left, self.chunk)
+            if i == 0:
+                minimum = [max(m, n) for m, n in zip(minimum, need, strict=True)]
+                force = any(n > k for n, k in zip(need, led.num_slots, strict=True))
+            if i < free_rows:
+                demand = [d + n for d, n in zip(demand, need, strict=True)]
+        return demand, minimum, force
+
+    def resize(self, layout, headroom: Sequence[int]) -> None:
+        """Serves on from the same pool split anew (`SlotLedger.resize`): running requests and
+        parked prefixes keep their rows; admissions keep `headroom` slots free."""
+        self.ledger.resize(layout)
+        self.headroom = tuple(headroom)
 
     def abort(self, request_ids: Sequence[int], reason: str = "abort") -> list[int]:
         """Finishes these requests where they stand (`reason`, default "abort") and drops them;

@@ -35,7 +35,9 @@ class RunStats:
     `ttft_s` per request (from its arrival in the queue to its first token on the host) and
     `itl_s` (gaps between its tokens), with `ttft` / `itl` summaries (mean, p50, p99). Prefix
     cache: `prefix_hits` requests started from a cached prefix, skipping `prefix_tokens` prompt
-    tokens (`prefix_hit_rate`: their share of the prompt tokens admitted).
+    tokens (`prefix_hit_rate`: their share of the prompt tokens admitted). `resplits`: times the
+    pool was split anew during the run (pool_ratio "adaptive" or "online"; `num_slots` is the
+    last split's).
     """
 
     steps: int = 0
@@ -50,6 +52,7 @@ class RunStats:
     max_concurrent: int = 0
     preemptions: int = 0
     evictions: int = 0
+    resplits: int = 0
     prefix_hits: int = 0  # requests that started from a cached prefix
     prefix_tokens: int = 0  # prompt tokens they did not prefill
     errors: int = 0  # requests finished with "error" (non-finite logits)

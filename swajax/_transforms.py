@@ -40,6 +40,7 @@ __all__ = [
     "free_slots",
     "layer_page_table",
     "reserve",
+    "resize",
     "row_slots",
     "share_prefix",
     "slots_needed",
@@ -354,6 +355,60 @@ def share_prefix(
         cap=state.cap.at[dst].set(k),
     )
     return ok, _select(ok, new, state)
+
+
+def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array, KVPoolState]:
+    """The state of layout `old` moved into layout `new` (the same layout but for its slot
+    counts per group): the one transform that moves pool pages.
+
+    Every group's held slots (refcount >= 1) are compacted, in id order, to ids 0 .. held - 1
+    of the new group; their pages move with them (pool root rows slot * scale + j), base tables
+    and refcounts are renamed, the new ids held .. N' - 1 are free. Rows keep their history,
+    so running requests and parked prefixes carry on reading the same KV. Only between steps
+    (cap == history, no scratch slot held). Returns (ok, state of `new`); ok is False where a
+    group holds more slots than `new` has or a step is in flight (then the returned state is
+    not to be used). Page tables gathered for `old` are stale: start from `initial_tables`.
+    """
+    if (
+        len(old.groups) != len(new.groups)
+        or len(old.pools) != len(new.pools)
+        or old.max_batch != new.max_batch
+        or old.max_blocks != new.max_blocks
+    ):
+        raise ValueError("resize needs two layouts that differ only in their slot counts")
+    ok = jnp.all(state.cap == state.history)
+    stacks, counts, refcounts, bases, perms = [], [], [], [], []
+    for g, (og, ng) in enumerate(zip(old.groups, new.groups, strict=True)):
+        n_old, n_new = og.num_slots, ng.num_slots
+        held = state.refcount[g] > 0  # [N]
+        num_held = jnp.sum(held, dtype=jnp.int32)
+        ok &= num_held <= n_new
+        ok &= jnp.all(state.scratch_slots[g] == BAD)
+        rename = jnp.where(held, jnp.cumsum(held, dtype=jnp.int32) - 1, BAD)  # old id -> new id
+        # new id -> old id (the held slots in order; free new ids read slot 0, unused)
+        (src,) = jnp.nonzero(held, size=n_new, fill_value=0)
+        perms.append(src.astype(jnp.int32))
+        base = state.base_tables[g]
+        bases.append(jnp.where(base == BAD, BAD, rename[jnp.clip(base, 0, n_old - 1)]))
+        ids = jnp.arange(n_new, dtype=jnp.int32)
+        refcounts.append(jnp.where(ids < num_held, state.refcount[g][src], 0).astype(jnp.int32))
+        # free ids num_held .. N' - 1, the lowest on top (popped first), as `init_state` orders
+        stacks.append(jnp.maximum(n_new - 1 - ids, num_held).astype(jnp.int32))
+        counts.append(n_new - num_held)
+    pools = []
+    for p, (op, np_) in enumerate(zip(old.pools, new.pools, strict=True)):
+        root, src, scale = state.pools[p], perms[op.group], op.scale
+        rows = (src[:, None] * scale + jnp.arange(scale, dtype=jnp.int32)).reshape(-1)
+        pools.append(root[rows])
+        assert pools[-1].shape[0] == np_.num_pages
+    return ok, dataclasses.replace(
+        state,
+        pools=tuple(pools),
+        free_stack=tuple(stacks),
+        free_count=jnp.stack(counts).astype(jnp.int32),
+        refcount=tuple(refcounts),
+        base_tables=tuple(bases),
+    )
 
 
 # ----------------------------------------------------------------------------- queries

@@ -8,6 +8,7 @@ those of `docs/design.md`.
 from swajax._budget import (
     AdaptiveSplit,
     KVBytes,
+    OnlineRebalance,
     adaptive_split,
     fitted_batch,
     fitted_pool_ratio,
@@ -31,6 +32,7 @@ from swajax._transforms import (
     free_slots,
     layer_page_table,
     reserve,
+    resize,
     row_slots,
     share_prefix,
     slots_needed,
@@ -39,6 +41,7 @@ from swajax._transforms import (
 )
 
 __all__ = [
+    "OnlineRebalance",
     "BAD",
     "AdaptiveSplit",
     "Converter",
@@ -64,6 +67,7 @@ __all__ = [
     "quota_for_tokens",
     "request_slots",
     "reserve",
+    "resize",
     "resolve_scratch_policy",
     "rotation_pages",
     "row_slots",
