@@ -101,7 +101,7 @@ def torch_ceilings():
         copy = 2 * 2**31 / timed(lambda: y.copy_(x)) / 1e12
         # Every tensor goes before the cache is emptied: torch's allocator keeps what it still
         # holds reserved, and 4.3 GiB held here left JAX short on an 80 GB card.
-        del a, b, x, y
+        a = b = x = y = None
         torch.cuda.empty_cache()
         return mm, copy
     except Exception:  # noqa: BLE001

@@ -9,6 +9,7 @@ the logits that drew it).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,7 +38,10 @@ class RunStats:
     cache: `prefix_hits` requests started from a cached prefix, skipping `prefix_tokens` prompt
     tokens (`prefix_hit_rate`: their share of the prompt tokens admitted). `resplits`: times the
     pool was split anew during the run (pool_ratio "adaptive" or "online"; `num_slots` is the
-    last split's).
+    last split's). Time by step kind: `prefill_s` / `decode_s`, host-observed (the loop keeps
+    one step in flight, so the gap between two dispatches is the time of the step dispatched
+    before them; the last two steps' time is not attributed); `mean_decode_rows`: rows per
+    decode-only step.
     """
 
     steps: int = 0
@@ -59,6 +63,11 @@ class RunStats:
     ttft_s: list[float] = dataclasses.field(default_factory=list)
     itl_s: list[float] = dataclasses.field(default_factory=list)
     step_logits: list | None = None  # (request index, token index, f32[V]) when collected
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0  # summed over decode-only steps
+    _dispatched: list = dataclasses.field(default_factory=list, repr=False)  # (time, decode)
 
     @property
     def tokens_per_second(self) -> float:
@@ -85,8 +94,25 @@ class RunStats:
     def itl(self) -> dict[str, float]:
         return _summary(self.itl_s)
 
-    def on_step(self, plans) -> None:
-        """A dispatched step: its tokens (prefill or decode) and the slots it holds."""
+    @property
+    def mean_decode_rows(self) -> float:
+        return self.decode_rows / max(self.decode_steps, 1)
+
+    def on_step(self, plans, now: float | None = None) -> None:
+        """A dispatched step: its tokens (prefill or decode), the slots it holds and its kind
+        (timed when the steps after it are dispatched)."""
+        now = time.perf_counter() if now is None else now
+        decode = all(p.decode_only for p in plans)
+        if decode:
+            self.decode_steps += 1
+            self.decode_rows += sum(len(p.new_tokens) for p in plans)
+        self._dispatched = [*self._dispatched[-2:], (now, decode)]
+        if len(self._dispatched) == 3:  # the gap since the last dispatch is two steps back's
+            (_, was_decode), (last, _), _ = self._dispatched
+            if was_decode:
+                self.decode_s += now - last
+            else:
+                self.prefill_s += now - last
         self.steps += 1
         for plan in plans:
             for row, n in plan.new_tokens.items():

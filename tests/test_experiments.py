@@ -225,7 +225,7 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     sliding layers in one pool. Oracles: the OFF cells' tokens (greedy), the cap, and the
     ledger simulation of the same workload (it plans what the engine runs)."""
     out = tmp_path / "swa.json"
-    argv = ["--quick", "--setups", "pinned_8k,adaptive", "--control", "--out", str(out)]
+    argv = ["--quick", "--setups", "pinned_8k,online", "--control", "--out", str(out)]
     swa_scratch.main(argv)
     data = json.loads(out.read_text())
     recs = {(r["setup"], r["scratch"]): r for r in data["records"]}
@@ -234,12 +234,12 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     assert control["control_of"] == "pinned_8k" and control["same_tokens_as_first_run"] is True
     assert control["request_digests"] == recs["pinned_8k", True]["request_digests"]
     assert "same_tokens_as_off" not in control and "control" not in data["comparison"]["gemma4_e2b"]
-    assert set(recs) == {("pinned_8k", False), ("pinned_8k", True), ("adaptive", True)}
+    assert set(recs) == {(s, sc) for s in ("pinned_8k", "online") for sc in (False, True)}
     assert [r.get("error") for r in recs.values() if "error" in r] == []
     assert all(r["workload"]["prefill_cut_align"] == 128 for r in recs.values())
-    on, off, adaptive = recs["pinned_8k", True], recs["pinned_8k", False], recs["adaptive", True]
-    assert on["same_tokens_as_off"] and adaptive["same_tokens_as_off"]
-    assert on["request_digests"] == off["request_digests"] == adaptive["request_digests"]
+    on, off = recs["pinned_8k", True], recs["pinned_8k", False]
+    assert all(r["same_tokens_as_off"] for r in recs.values() if r["scratch"])
+    assert len({r["request_digests"] and tuple(r["request_digests"]) for r in recs.values()}) == 1
     assert on["first_token_agreement"] == 1.0 and on["mean_common_prefix"] == len(
         off["request_heads"][0]
     )
@@ -247,11 +247,21 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
     cap = data["caps"]["gemma4_e2b"]
     assert all(r["kv_cap_bytes"] == cap >= r["pool_bytes"] for r in recs.values())
     assert on["max_concurrent"] > off["max_concurrent"]
-    assert adaptive["max_concurrent"] > off["max_concurrent"]
     assert on["num_slots"][1] > off["num_slots"][1]  # group 1: the full layers
     for r in recs.values():
-        assert r["traces_in_run"] == 0  # the warm-up compiled every step shape
+        assert r["traces_in_run"] == 0  # the warm-up (online: its untimed run) compiled all
         assert r["output_tokens"] == 8 * 8 and r["output_tokens_per_s"] > 0
+        assert r["decode_steps"] > 0 and 1 <= r["mean_decode_rows"] <= r["max_concurrent"]
+        assert 0 < r["prefill_share"] < 1 and r["decode_s"] > 0
+        if r["setup"] == "online":  # split by the engine as demand moved; not simulated
+            assert r["resplits"] >= 1 and r["warmup_s"] > 0
+            assert set(r["split_from"]) == {
+                "rebalance_ema",
+                "rebalance_threshold",
+                "rebalance_cooldown",
+            }
+            continue
+        assert r["resplits"] == 0 and r["warmup_s"] is None
         p = r["predicted"]
         assert (p["steps"], p["max_concurrent"], p["preemptions"]) == (
             r["steps"],
@@ -260,18 +270,29 @@ def test_swa_scratch_throughput_quick(tmp_path, capsys):
         )
         assert p["peak_slots"] == r["peak_slots"] and p["num_slots"] == r["num_slots"]
     row = data["comparison"]["gemma4_e2b"]
-    assert row["pinned_8k"]["published_pct"] == 59.6 and "adaptive" in row
+    assert row["pinned_8k"]["published_pct"] == 59.6
+    assert row["online"]["best_off"] in ("pinned_8k", "online")
+    assert row["best"]["change_pct"] is not None
     table = capsys.readouterr().out
-    assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table and "in place" in table
+    assert "gemma4_e2b     pinned_8k" in table and "+59.6" in table
+    assert "gemma4_e2b     online" in table and "best ON (" in table
     assert "control gemma4_e2b pinned_8k ON run again last" in table
     assert (tmp_path / "swa.png").stat().st_size > 10_000
     # a second invocation replaces its cells and keeps the others
     swa_scratch.main(["--quick", "--setups", "adaptive", "--profile", "2", "--out", str(out)])
     again = json.loads(out.read_text())
-    assert len(again["runs"]) == 2 and len(again["records"]) == 4
-    prof = next(r for r in again["records"] if r["setup"] == "adaptive")["profile"]
-    assert prof["requests"] == 2 and prof["steps"] > 8 and prof["wall_s"] > 0
-    assert {(r["setup"], r["scratch"]) for r in again["records"]} == {*recs, ("control", True)}
+    assert len(again["runs"]) == 2 and len(again["records"]) == 7
+    adaptive = next(r for r in again["records"] if r["setup"] == "adaptive" and r["scratch"])
+    assert adaptive["profile"]["requests"] == 2 and adaptive["profile"]["steps"] > 8
+    assert adaptive["profile"]["wall_s"] > 0
+    assert adaptive["max_concurrent"] > off["max_concurrent"]
+    assert adaptive["same_tokens_as_off"]
+    assert {(r["setup"], r["scratch"]) for r in again["records"]} == {
+        *recs,
+        ("control", True),
+        ("adaptive", True),
+        ("adaptive", False),
+    }
 
 
 def test_swa_scratch_experts_in_place_bound_is_part_of_the_workload():
@@ -321,8 +342,12 @@ def test_swa_scratch_records_merge_and_token_check():
     assert "first_token_agreement" not in merged[1]  # no heads recorded
     comp = swa_scratch.comparison(merged)["p"]
     assert comp["pinned_8k"]["change_pct"] == pytest.approx(50.0)
-    assert comp["adaptive"]["off_reference"] == "pinned_8k"
-    assert comp["adaptive"]["change_vs_reference_off_pct"] == pytest.approx(0.0)
+    # adaptive ON (10 tok/s) has no OFF cell of its own: against the best OFF (pinned_8k)
+    assert comp["adaptive"]["change_pct"] is None
+    assert comp["adaptive"]["best_off"] == "pinned_8k"
+    assert comp["adaptive"]["change_vs_best_off_pct"] == pytest.approx(0.0)
+    assert comp["adaptive"]["vs_best_fixed_on_pct"] == pytest.approx(100.0 * (10 / 15 - 1))
+    assert comp["best"] == dict(on="pinned_8k", off="pinned_8k", change_pct=pytest.approx(50.0))
 
 
 def test_swa_scratch_divergence_check_recomputes_logits_alone():
