@@ -55,6 +55,13 @@ for stage in "$@"; do
         --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} \
         ${REQUESTS:+--requests $REQUESTS} ${SCRATCH_ARGS:-} --out "$OUT/$name.json" \
         --merge "experiments/results/$name.json" ;;
+    repro)  # the reproduction's cells from the pinned tree .repro/ (tools/repro_tree.sh <sha>):
+      # PRESETS=gemma4_e2b [SETUPS=cap_only,pinned_8k] -> $OUT/repro_<preset>[_<setups>]_h200.json
+      tag=${PRESETS:-gemma4_e2b}${SETUPS:+_${SETUPS//,/-}}
+      ( cd .repro && SWAJAX_GIT_COMMIT=$(cat COMMIT) PYTHONPATH=. run "repro_$tag" \
+          "${STAGE_LIMIT_repro:-590}" python3 experiments/swa_scratch_throughput.py \
+          --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} --requests 24 \
+          --out "$OUT/repro_${tag}_h200.json" ) ;;
     moe)  # one MoE layer's decode products: experts read in the stack vs copied out of it
       run moe "${STAGE_LIMIT_moe:-240}" python3 experiments/bench_moe.py \
         --out "$OUT/moe_decode_h200.json" ;;

@@ -1054,6 +1054,13 @@ def parse(argv=None):
         help="default: results/swa_scratch_h200.json (--simulate: swa_scratch_predictions.json)",
     )
     p.add_argument("--merge", type=pathlib.Path, default=None, help="JSON whose records to keep")
+    p.add_argument(
+        "--combine",
+        type=pathlib.Path,
+        nargs="+",
+        default=None,
+        help="run nothing: one table from these per-call JSONs (one commit, one workload)",
+    )
     p.add_argument("--png", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--quick", action="store_true", help="tiny models on CPU, reference kernels")
     p.add_argument(
@@ -1145,8 +1152,48 @@ def parse(argv=None):
     return args, params, presets, setups
 
 
+def combine(paths, out: pathlib.Path, png: pathlib.Path | None = None) -> dict:
+    """One table from the per-preset files of the device calls (`--combine`): their records
+    (control records kept), runs and caps, refusing files of different commits or workloads
+    (one table, one commit, one workload); the comparison, table and PNG rebuilt."""
+    files = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    if not files:
+        raise ValueError("--combine needs at least one file")
+    records = [r for f in files for r in f["records"]]
+    commits = {r.get("git_commit") for r in records}
+    workloads = {json.dumps(r.get("workload"), sort_keys=True) for r in records}
+    if len(commits) != 1 or len(workloads) != 1:
+        raise ValueError(
+            f"the cells come from {len(commits)} commits {sorted(map(str, commits))} and "
+            f"{len(workloads)} workloads: one table needs one of each"
+        )
+    keys = [(r["preset"], r["setup"], r["scratch"]) for r in records]
+    if len(set(keys)) != len(keys):
+        raise ValueError("a cell (preset, setup, scratch) appears in two files")
+    res = {k: v for k, v in files[0].items() if k not in ("records", "comparison")}
+    res.update(
+        git_commit=commits.pop(),
+        runs=[run for f in files for run in f.get("runs", [])],
+        caps={k: v for f in files for k, v in f.get("caps", {}).items()},
+        devices=sorted({f.get("device") for f in files}),
+        combined_from=[str(p) for p in paths],
+        records=records,
+    )
+    mark_same_tokens(res["records"])
+    res["comparison"] = comparison(res["records"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(format_table(res["records"], res["comparison"]))
+    png = png or out.with_suffix(".png")
+    plot(res["comparison"], png)
+    print(f"wrote {out} and {png}")
+    return res
+
+
 def main(argv=None) -> dict:
     args, params, presets, setups = parse(argv)
+    if args.combine:
+        return combine(args.combine, args.out, args.png)
     import jax.numpy as jnp
     from flax import nnx
 

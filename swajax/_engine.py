@@ -325,7 +325,7 @@ class Engine:
         pool_ratio="adaptive"."""
         if not self.pool.adaptive:
             raise ValueError(
-                "adapt_pool needs KVCacheConfig(pool_ratio='adaptive'), got pool_ratio="
+                "adapt_pool needs KVCacheConfig(pool_ratio='adaptive' or 'online'), got pool_ratio="
                 f"{self.config.kv_cache.pool_ratio!r}"
             )
         requests = None

@@ -506,3 +506,42 @@ def test_bench_moe_quick(tmp_path):
     assert rec["form"] == "tile_in_place" and rec["geometry"]["layers"] == 3
     assert 0 < rec["active_experts"] <= 8 and rec["max_abs_err"] < 2e-2
     assert rec["moved_bytes"] == rec["active_bytes"] == rec["active_experts"] * 3 * 128 * 64 * 2
+
+
+def test_swa_scratch_combine_keeps_one_commit_and_one_workload(tmp_path):
+    """`--combine`: the per-call files of one commit and workload make one table; a file of
+    another commit or workload, or a cell in two files, is refused."""
+
+    def cell(preset, setup, scratch, tps, commit="c1", workload=None):
+        return dict(
+            preset=preset,
+            setup=setup,
+            scratch=scratch,
+            git_commit=commit,
+            workload=workload or {"requests": 24},
+            request_digests=["a", "b"],
+            output_tokens_per_s=tps,
+        )
+
+    def write(name, records):
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(device="H200", records=records, runs=[{"n": name}])))
+        return path
+
+    a = write("a.json", [cell("p", "pinned_8k", False, 10.0), cell("p", "pinned_8k", True, 13.0)])
+    b = write("b.json", [cell("q", "online", False, 4.0), cell("q", "online", True, 5.0)])
+    out = tmp_path / "all.json"
+    res = swa_scratch.main(["--combine", str(a), str(b), "--out", str(out)])
+    assert json.loads(out.read_text())["git_commit"] == "c1" and len(res["records"]) == 4
+    assert res["comparison"]["p"]["pinned_8k"]["change_pct"] == pytest.approx(30.0)
+    assert res["comparison"]["q"]["online"]["change_pct"] == pytest.approx(25.0)
+    assert [r["n"] for r in res["runs"]] == ["a.json", "b.json"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    other = write("c.json", [cell("r", "online", True, 1.0, commit="c2")])
+    with pytest.raises(ValueError, match="2 commits"):
+        swa_scratch.main(["--combine", str(a), str(other), "--out", str(out)])
+    wl = write("d.json", [cell("r", "online", True, 1.0, workload={"requests": 32})])
+    with pytest.raises(ValueError, match="2 workloads"):
+        swa_scratch.main(["--combine", str(a), str(wl), "--out", str(out)])
+    with pytest.raises(ValueError, match="two files"):
+        swa_scratch.main(["--combine", str(a), str(a), "--out", str(out)])
