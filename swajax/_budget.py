@@ -601,6 +601,21 @@ class PoolSplit:
         self.online: OnlineRebalance | None = online  # pool_ratio="online"
         self.resplits = 0  # splits applied while requests ran ("online")
 
+    @classmethod
+    def of(cls, kv: KVCacheConfig, fraction: float) -> PoolSplit:
+        """The split of `kv`'s quota, read once (a re-split pool must not see the old pool as
+        used memory), with its policy."""
+        quota = kv_quota_bytes(kv)
+        online = None
+        if kv.online_pool_ratio:
+            online = OnlineRebalance(
+                quota,
+                ema=kv.rebalance_ema,
+                threshold=kv.rebalance_threshold,
+                cooldown=kv.rebalance_cooldown,
+            )
+        return cls(quota, kv.adaptive_pool_ratio, fraction, online)
+
     def check(self, layout, need, have, prompt_len: int, max_new_tokens: int) -> None:
         """ValueError when a request needing `need` slots per group can never fit."""
         what = f"a request of {prompt_len} prompt tokens + {max_new_tokens} new tokens"

@@ -9,9 +9,10 @@ routed to the request's consumer (`swajax._requests`).
 
 `Engine.step()` is schedule -> run -> postprocess: it plans and dispatches the next step, then
 reads the step before it (the device always has the next step queued while the host reads
-results and plans). `Engine.run`, `stream` and `stream_requests` consume streams that drive
-the steps; `swajax.generate` is `run` on a kept engine. Several threads may share an engine:
-see `swajax._requests` for who may call what.
+results and plans). The request side (`add_request`, `abort`, `run`, `stream`,
+`stream_requests`, `recording`) is the `RequestAPI` mixin of `swajax._request_api`; streams
+drive the steps; `swajax.generate` is `run` on a kept engine. Several threads may share an
+engine: see `swajax._requests` for who may call what.
 
 Several devices (`EngineConfig.mesh`, see `swajax._sharding`): the parameters are split over
 the mesh's "model" axis, the pool roots over KV heads; with a "data" axis each replica has its
@@ -35,22 +36,17 @@ rebuilt and every request in the engine ends with an error output).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from swajax import _sharding, _validate
 from swajax._budget import (
-    OnlineRebalance,
     PoolSplit,
-    kv_quota_bytes,
     plan_num_slots,
-    request_slots,
 )
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
@@ -58,15 +54,15 @@ from swajax._engine_config import EngineConfig
 from swajax._layout import build_layout, with_num_slots
 from swajax._model_runner import ModelRunner
 from swajax._replicas import Replicas, make_scheduler
-from swajax._requests import Consumer, Front, RequestOutput, Tracked
-from swajax._sampling import SamplingParams, check_seed, request_key_data
+from swajax._request_api import RequestAPI
+from swajax._requests import Front, RequestOutput
 from swajax._scheduler import FINISHED, Request, default_headroom
 from swajax._stats import Recording, RunStats
 
 __all__ = ["Engine", "RequestOutput", "RunStats", "make_scheduler"]
 
 
-class Engine:
+class Engine(RequestAPI):
     """Serves requests on a paged KV pool.
 
     Args:
@@ -94,22 +90,13 @@ class Engine:
             is_multimodal=getattr(model_config, "is_multimodal", False),
             has_external_kv_draft=getattr(model_config, "has_external_kv_draft", False),
         )
-        mesh = None if cfg.mesh is None else _sharding.serving_mesh(cfg.mesh)
+        model, mesh, param_shardings = _sharding.model_on_mesh(model, cfg.mesh)
         dp, tp = (1, 1) if mesh is None else _sharding.mesh_sizes(mesh)
         if cfg.batch_invariant and dp > 1:
             raise ValueError(
                 f"batch_invariant=True needs one data-parallel replica, got {dp}: one step runs "
                 "every replica's plan, and each replica's scheduler picks its own step kind"
             )
-        param_specs = None
-        if mesh is not None:
-            if not callable(getattr(model, "partition_specs", None)):
-                raise TypeError(
-                    f"a mesh needs a model with partition_specs(tp), got {type(model).__name__}"
-                )
-            param_specs = model.partition_specs(tp)  # ValueError for tp vs query heads
-            if tp > 1 and callable(getattr(model, "for_tensor_parallel", None)):
-                model = model.for_tensor_parallel(tp)  # how the model runs sharded
         self.config = cfg
         self.vocab_size = model_config.vocab_size
         rows = cfg.max_batch + cfg.prefix_cache_rows
@@ -124,23 +111,11 @@ class Engine:
             tp=tp,
             cache_rows=cfg.prefix_cache_rows,
         )
-        # The quota is read once: a re-split pool must not see the old pool as used memory.
-        quota = kv_quota_bytes(kv)
-        online = None
-        if kv.online_pool_ratio:
-            online = OnlineRebalance(
-                quota,
-                ema=kv.rebalance_ema,
-                threshold=kv.rebalance_threshold,
-                cooldown=kv.rebalance_cooldown,
-            )
-        self.pool = PoolSplit(quota, kv.adaptive_pool_ratio, cfg.admission_headroom, online)
+        self.pool = PoolSplit.of(kv, cfg.admission_headroom)
         layout = with_num_slots(layout, plan_num_slots(layout, kv, self.pool.quota))
         graphdef, params = nnx.split(model)
-        if param_specs is not None:
-            params = jax.device_put(
-                params, jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs)
-            )
+        if param_shardings is not None:
+            params = jax.device_put(params, param_shardings)
         self.runner = ModelRunner(
             graphdef,
             params,
@@ -211,99 +186,6 @@ class Engine:
         with self._front.cond:
             pending = bool(self._front.tracked or self._front.unclaimed or self._front.inbox)
         return pending or self.replicas.has_work
-
-    # ------------------------------------------------------------------ requests
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """ValueError if one request alone can never fit the pool or the context."""
-        total = prompt_len + max_new_tokens
-        if total > self.layout.max_context:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} "
-                f"exceeds the engine's max_context={self.layout.max_context}"
-            )
-        # The last prefill step draws the first new token: max_new_tokens - 1 decode steps.
-        need = request_slots(
-            self.layout,
-            prompt_len,
-            chunk=self.config.prefill_chunk_size,
-            max_new_tokens=max_new_tokens - 1,
-        )
-        self.pool.check(self.layout, need, self.num_slots, prompt_len, max_new_tokens)
-
-    def _make_request(self, prompt, max_new_tokens, sampling, stop_token_ids, key_data):
-        max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
-        prompt = _validate.prompt(
-            "prompt", prompt, self.vocab_size, self.layout.max_context, max_new_tokens
-        )
-        sampling = SamplingParams() if sampling is None else sampling
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        stop = frozenset(_validate.token_ids("stop_token_ids", stop_token_ids, self.vocab_size))
-        self.check_fits(len(prompt), max_new_tokens)
-        return Request(
-            id=-1,
-            prompt=tuple(prompt),
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop,
-            sampling=sampling,
-            key_data=key_data,
-        )
-
-    def _queue(self, requests: Sequence[Request], run_index: bool = False, into=None) -> list[int]:
-        """Gives the requests ids and keys and posts them to the scheduler (their ids also
-        added to the set `into`, under the same lock)."""
-        now = time.perf_counter()
-        with self._front.cond:
-            for i, r in enumerate(requests):
-                r.id = self._front.issue_id()
-                if callable(r.key_data):  # a key from the request's own id
-                    r.key_data = r.key_data(r.id)
-                self._front.tracked[r.id] = Tracked(r, now, i if run_index else r.id)
-                if into is not None:
-                    into.add(r.id)
-                self._front.inbox.append(("add", r))
-        self._apply_inbox_if_idle()
-        return [r.id for r in requests]
-
-    def add_request(
-        self,
-        prompt,
-        max_new_tokens: int,
-        sampling: SamplingParams | None = None,
-        stop_token_ids=(),
-    ) -> int:
-        """Queues one request; returns its id. Its outputs come from `step()`, or from
-        `stream_requests([id])`. The request's PRNG key comes from `sampling.seed`, else from
-        its id. ValueError (nothing queued) for a bad prompt or parameters, or a request that
-        can never fit the pool."""
-        seed = sampling.seed if isinstance(sampling, SamplingParams) else None
-        key = request_key_data(seed, None) if seed is not None else _key_of_id
-        r = self._make_request(prompt, max_new_tokens, sampling, stop_token_ids, key)
-        return self._queue([r])[0]
-
-    def abort(self, request_ids) -> None:
-        """Ends these requests (one id or a sequence) at the next step, or now if no step is
-        running: each gets a final output (finish_reason "abort", its tokens so far) and its
-        rows are freed. Never waits for a step. ValueError for an id this engine never
-        issued; a request that already finished is left alone."""
-        ids = [request_ids] if _validate.is_int(request_ids) else request_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | set | frozenset):
-            raise ValueError(f"request_ids must be an id or a sequence of ids, got {request_ids!r}")
-        with self._front.cond:
-            bad = [i for i in ids if not _validate.is_int(i) or not 0 <= i < self._front.next_id]
-            if bad:
-                raise ValueError(f"unknown request ids {list(bad)[:5]}")
-            self._front.inbox += [("abort", int(i)) for i in ids if i in self._front.tracked]
-        self._apply_inbox_if_idle()
-
-    def _apply_inbox_if_idle(self) -> None:
-        if self._step_lock.acquire(blocking=False):
-            try:
-                self._route(self._apply_inbox())
-                self._flush_bookkeeping()
-            finally:
-                self._step_lock.release()
 
     def _apply_inbox(self) -> list[RequestOutput]:
         """Applies the queued adds and aborts in order (step lock held); returns the aborted
@@ -494,174 +376,6 @@ class Engine:
             self.runner.in_flight = None
             return []
 
-    # ------------------------------------------------------------------ streams
-
-    def stream_requests(self, request_ids) -> Iterator[RequestOutput]:
-        """Yields the outputs of these requests (from `add_request`) as they come, until all
-        have finished, driving the steps when no other thread does. Holds no lock between
-        outputs. Closing the iterator (or dropping it), or an exception in it, aborts its
-        unfinished requests. ValueError (at this call, nothing run) for an id not in the
-        engine or one that already has a consumer."""
-        ids = [request_ids] if _validate.is_int(request_ids) else list(request_ids)
-        with self._front.cond:
-            stream = self._front.bind(ids)
-        return Consumer(self, stream)
-
-    def _consume(self, stream) -> Iterator[RequestOutput]:
-        front = self._front
-        try:
-            while True:
-                with front.cond:
-                    if stream.queue:
-                        out = stream.queue.popleft()
-                    elif not stream.pending:
-                        settle = not front.tracked and not front.inbox
-                        break
-                    elif front.stepping:  # another thread's step will route to us
-                        front.cond.wait_for(lambda: stream.queue or not front.stepping, 0.5)
-                        continue
-                    else:
-                        out = None
-                if out is not None:
-                    yield out
-                elif self._step_lock.acquire(blocking=False):
-                    try:
-                        self._advance()
-                    finally:
-                        self._step_lock.release()
-                else:  # the lock is held outside a step (an abort, a recording): brief
-                    with front.cond:
-                        front.cond.wait(0.005)
-            # The last request of the engine is done: one more step returns the rows it
-            # finished in (their release is planned with the next step), leaving it idle.
-            if settle and self.replicas.has_work and self._step_lock.acquire(blocking=False):
-                try:
-                    self._advance()
-                finally:
-                    self._step_lock.release()
-        finally:
-            self._release(stream)
-
-    def _release(self, stream) -> None:
-        """A stream's consumer left: its unfinished requests are aborted."""
-        with self._front.cond:
-            left = self._front.unbind(stream)
-            self._front.inbox += [("abort", i) for i in left if i in self._front.tracked]
-        if left:
-            self._apply_inbox_if_idle()
-
-    def _new_requests(self, prompts, max_new_tokens, sampling, seed, stop_token_ids):
-        max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
-        prompts = _validate.prompts(
-            prompts, self.vocab_size, self.layout.max_context, max_new_tokens
-        )
-        seed = check_seed(seed)
-        sampling = sampling or SamplingParams()
-        seed = sampling.seed if sampling.seed is not None else seed
-        return [
-            self._make_request(
-                p, max_new_tokens, sampling, stop_token_ids, request_key_data(seed, i)
-            )
-            for i, p in enumerate(prompts)
-        ]
-
-    def stream(
-        self,
-        prompts,
-        max_new_tokens: int,
-        *,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        stop_token_ids=(),
-    ) -> Iterator[tuple[int, RequestOutput]]:
-        """Yields (prompt index, output) as tokens come, until every prompt has finished;
-        prompt i's PRNG key comes from (sampling.seed or seed, i). The prompts are checked
-        and queued at the first `next`."""
-        requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
-        ids = self._queue(requests, run_index=True)
-        index = {rid: i for i, rid in enumerate(ids)}
-        with contextlib.closing(self.stream_requests(ids)) as outputs:
-            for out in outputs:
-                yield index[out.request_id], out
-
-    def run(
-        self,
-        prompts,
-        max_new_tokens: int,
-        *,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-        stop_token_ids=(),
-        collect_logits: bool = False,
-        progress: bool = False,
-        callback=None,
-    ) -> tuple[list[list[int]], RunStats]:
-        """Generates up to max_new_tokens tokens for every prompt; returns (outputs, stats).
-
-        stop_token_ids end a request early (the stop token is its last output token).
-        callback(prompt index, RequestOutput), if given, sees every output as it comes (no lock
-        is held: it may call `abort`).
-        """
-        requests = self._new_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
-        outputs: list[list[int]] = [[] for _ in requests]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(requests) * max_new_tokens, unit="tok", desc="generate")
-        try:
-            own: set[int] = set()
-            with self._record(collect_logits, own) as stats:
-                ids = self._queue(requests, run_index=True, into=own)
-                index = {rid: i for i, rid in enumerate(ids)}
-                with contextlib.closing(self.stream_requests(ids)) as request_outputs:
-                    for out in request_outputs:
-                        i = index[out.request_id]
-                        outputs[i] = list(out.token_ids)
-                        if bar is not None:
-                            bar.update(len(out.new_token_ids))
-                        if callback is not None:
-                            callback(i, out)
-                with self._step_lock:  # no other thread's step donates the state meanwhile
-                    jax.block_until_ready(self.runner.state)
-        finally:
-            if bar is not None:
-                bar.close()
-        return outputs, stats
-
-    @contextlib.contextmanager
-    def recording(self, *, collect_logits: bool = False) -> Iterator[RunStats]:
-        """Records the steps run inside the block (by any thread) into the `RunStats` it
-        yields (seconds: the block's wall time); blocks may overlap (each `run` records its
-        own requests' tokens, every open block the steps)."""
-        with self._record(collect_logits, None) as stats:
-            yield stats
-
-    @contextlib.contextmanager
-    def _record(self, collect_logits: bool, ids: set | None):
-        stats = RunStats(num_slots=tuple(n * self.runner.num_replicas for n in self.num_slots))
-        stats.peak_slots = stats.slot_steps = (0,) * len(self.num_slots)
-        stats.step_logits = [] if collect_logits else None
-        with self._step_lock:
-            rec = Recording(stats, ids, self.replicas.counters())
-            self._recordings.append(rec)
-            self.runner.collect_logits = any(
-                r.stats.step_logits is not None for r in self._recordings
-            )
-        t0 = time.perf_counter()
-        try:
-            yield stats
-        finally:
-            with self._step_lock:
-                stats.seconds = time.perf_counter() - t0
-                c = self.replicas.counters()
-                for name in ("preemptions", "evictions", "prefix_hits", "prefix_tokens"):
-                    setattr(stats, name, getattr(c, name) - getattr(rec.counters, name))
-                self._recordings.remove(rec)
-                self.runner.collect_logits = any(
-                    r.stats.step_logits is not None for r in self._recordings
-                )
-
     # ------------------------------------------------------------------ compilation
 
     def step_buckets(self) -> list[tuple[int, bool]]:
@@ -677,11 +391,6 @@ class Engine:
         inspection. lowering_platforms: e.g. ("cuda",) to lower for a GPU on a machine without
         one (with `pallas_kernels._checks.force_compiled()` for the Mosaic GPU kernels)."""
         return self.runner.lower(num_tokens, decode, lowering_platforms=lowering_platforms)
-
-
-def _key_of_id(request_id: int):
-    """A request's PRNG key data from its id (requests without a seed)."""
-    return request_key_data(0, request_id)
 
 
 def _final(r: Request) -> RequestOutput:

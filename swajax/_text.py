@@ -249,21 +249,7 @@ def generate_text(
       One `TextOutput` per prompt, in order; with stream=True an iterator of `TextChunk`s.
       Bad prompts raise ValueError before anything runs (with stream=True too).
     """
-    if isinstance(prompts, str) or _is_conversation(prompts):
-        prompts = [prompts]
-    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
-        raise ValueError(
-            "prompts must be a list of strings or conversations, got " + _describe(prompts)
-        )
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty: give at least one string or conversation")
-    ids = [
-        encode_prompt(
-            tokenizer, p, chat=chat, chat_template_kwargs=chat_template_kwargs, name=f"prompt {i}"
-        )
-        for i, p in enumerate(prompts)
-    ]
+    ids = _encode_prompts(tokenizer, prompts, chat, chat_template_kwargs)
     max_new_tokens = _validate.positive_int("max_new_tokens", max_new_tokens)
     model_config = model.config
     ids = validate_prompts(ids, model_config.vocab_size, model_config.max_context, max_new_tokens)
@@ -296,3 +282,23 @@ def generate_text(
                 )
                 results[i] = TextOutput(text, out.token_ids, out.finish_reason, tuple(ids[i]))
     return results
+
+
+def _encode_prompts(tokenizer, prompts, chat, chat_template_kwargs) -> list[list[int]]:
+    """The token ids of `generate_text`'s prompts (one string or conversation is one prompt);
+    ValueError naming the prompt for a bad one."""
+    if isinstance(prompts, str) or _is_conversation(prompts):
+        prompts = [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            "prompts must be a list of strings or conversations, got " + _describe(prompts)
+        )
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one string or conversation")
+    return [
+        encode_prompt(
+            tokenizer, p, chat=chat, chat_template_kwargs=chat_template_kwargs, name=f"prompt {i}"
+        )
+        for i, p in enumerate(prompts)
+    ]

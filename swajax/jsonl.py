@@ -169,64 +169,74 @@ def read_requests(
             obj = _parse_line(path, number, raw)
             if obj is None:
                 continue
-            unknown = sorted(set(obj) - set(LINE_FIELDS))
-            if unknown:
-                raise _line_error(
-                    path, number, f"unknown field(s) {unknown}; allowed: {list(LINE_FIELDS)}"
+            requests.append(
+                _line_request(
+                    path, number, obj, tokenizer, max_new_tokens, defaults, seed, chat, seen
                 )
-            if ("prompt" in obj) == ("messages" in obj):
-                raise _line_error(path, number, 'give exactly one of "prompt" and "messages"')
-            if "prompt" in obj and not isinstance(obj["prompt"], str):
-                raise _line_error(
-                    path, number, f'"prompt" must be a string, got {type(obj["prompt"]).__name__}'
-                )
-            if "messages" in obj and not (
-                isinstance(obj["messages"], list)
-                and obj["messages"]
-                and all(isinstance(m, dict) for m in obj["messages"])
-            ):
-                raise _line_error(
-                    path,
-                    number,
-                    '"messages" must be a non-empty list of {"role": ..., "content": ...} '
-                    f"objects, got {json.dumps(obj['messages'])[:80]}",
-                )
-            if "prompt" in obj:
-                _check_text(path, number, '"prompt"', obj["prompt"])
-            else:
-                for k, message in enumerate(obj["messages"]):
-                    for key in ("role", "content"):
-                        if isinstance(message.get(key), str):
-                            _check_text(path, number, f'"messages"[{k}]["{key}"]', message[key])
-            rid = obj.get("id", number)
-            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                raise _line_error(path, number, f'"id" must be a string or an integer, got {rid!r}')
-            if isinstance(rid, str):
-                _check_text(path, number, '"id"', rid)
-            if rid in seen:
-                raise _line_error(path, number, f"id {rid!r} is also the id of line {seen[rid]}")
-            seen[rid] = number
-            n = obj.get("max_new_tokens", max_new_tokens)
-            if not _validate.is_int(n) or n < 1:
-                raise _line_error(path, number, f'"max_new_tokens" must be an int >= 1, got {n!r}')
-            try:
-                sampling_line = SamplingParams(
-                    temperature=obj.get("temperature", defaults.temperature),
-                    top_k=obj.get("top_k", defaults.top_k),
-                    top_p=obj.get("top_p", defaults.top_p),
-                    seed=obj.get("seed", line_seed(seed, number)),
-                )
-            except ValueError as e:
-                raise _line_error(path, number, str(e)) from None
-            prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
-            try:
-                ids = encode_prompt(tokenizer, prompt, chat=chat or None, name="the prompt")
-            except (ValueError, TypeError) as e:
-                raise _line_error(path, number, str(e)) from None
-            requests.append(LineRequest(number, rid, tuple(ids), int(n), sampling_line))
+            )
     if not requests:
         raise ValueError(f"input file {str(path)!r} has no requests (every line is blank)")
     return requests
+
+
+def _line_request(
+    path, number, obj, tokenizer, max_new_tokens, defaults, seed, chat, seen
+) -> LineRequest:
+    """One parsed line of `read_requests` checked and tokenized (`seen`: id -> line number,
+    updated); ValueError naming the file and line."""
+    unknown = sorted(set(obj) - set(LINE_FIELDS))
+    if unknown:
+        raise _line_error(path, number, f"unknown field(s) {unknown}; allowed: {list(LINE_FIELDS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise _line_error(path, number, 'give exactly one of "prompt" and "messages"')
+    if "prompt" in obj and not isinstance(obj["prompt"], str):
+        raise _line_error(
+            path, number, f'"prompt" must be a string, got {type(obj["prompt"]).__name__}'
+        )
+    if "messages" in obj and not (
+        isinstance(obj["messages"], list)
+        and obj["messages"]
+        and all(isinstance(m, dict) for m in obj["messages"])
+    ):
+        raise _line_error(
+            path,
+            number,
+            '"messages" must be a non-empty list of {"role": ..., "content": ...} '
+            f"objects, got {json.dumps(obj['messages'])[:80]}",
+        )
+    if "prompt" in obj:
+        _check_text(path, number, '"prompt"', obj["prompt"])
+    else:
+        for k, message in enumerate(obj["messages"]):
+            for key in ("role", "content"):
+                if isinstance(message.get(key), str):
+                    _check_text(path, number, f'"messages"[{k}]["{key}"]', message[key])
+    rid = obj.get("id", number)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise _line_error(path, number, f'"id" must be a string or an integer, got {rid!r}')
+    if isinstance(rid, str):
+        _check_text(path, number, '"id"', rid)
+    if rid in seen:
+        raise _line_error(path, number, f"id {rid!r} is also the id of line {seen[rid]}")
+    seen[rid] = number
+    n = obj.get("max_new_tokens", max_new_tokens)
+    if not _validate.is_int(n) or n < 1:
+        raise _line_error(path, number, f'"max_new_tokens" must be an int >= 1, got {n!r}')
+    try:
+        sampling_line = SamplingParams(
+            temperature=obj.get("temperature", defaults.temperature),
+            top_k=obj.get("top_k", defaults.top_k),
+            top_p=obj.get("top_p", defaults.top_p),
+            seed=obj.get("seed", line_seed(seed, number)),
+        )
+    except ValueError as e:
+        raise _line_error(path, number, str(e)) from None
+    prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
+    try:
+        ids = encode_prompt(tokenizer, prompt, chat=chat or None, name="the prompt")
+    except (ValueError, TypeError) as e:
+        raise _line_error(path, number, str(e)) from None
+    return LineRequest(number, rid, tuple(ids), int(n), sampling_line)
 
 
 def check_requests(path, requests: Sequence[LineRequest], config, engine=None) -> None:
@@ -411,8 +421,6 @@ def generate_jsonl(
             f.truncate(keep_bytes)  # a line cut short by the interruption is written again
     from tqdm.auto import tqdm
 
-    finished: dict[int, TextOutput] = {}
-    next_index = 0
     with (
         output_path.open("ab" if resume else "wb") as raw,
         tqdm(total=len(todo), unit="req", desc="generate", disable=not progress) as bar,
@@ -427,18 +435,25 @@ def generate_jsonl(
             [r.sampling for r in todo],
         )
         with contextlib.closing(results):
-            for i, out in results:
-                finished[i] = out
-                summary.generated_tokens += len(out.token_ids)
-                bar.update(1)
-                bar.set_postfix(tokens=summary.generated_tokens, refresh=False)
-                while next_index in finished:
-                    out = finished.pop(next_index)
-                    r = todo[next_index]
-                    _write(raw, result_line(r, out).encode("utf-8"))
-                    summary.written += 1
-                    summary.prompt_tokens += len(r.prompt_ids)
-                    reason = out.finish_reason
-                    summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
-                    next_index += 1
+            _write_in_order(raw, todo, results, summary, bar)
     return summary
+
+
+def _write_in_order(raw, todo, results, summary: GenerateSummary, bar) -> None:
+    """Writes each result line of `todo` as soon as every line before it is written."""
+    finished: dict[int, TextOutput] = {}
+    next_index = 0
+    for i, out in results:
+        finished[i] = out
+        summary.generated_tokens += len(out.token_ids)
+        bar.update(1)
+        bar.set_postfix(tokens=summary.generated_tokens, refresh=False)
+        while next_index in finished:
+            out = finished.pop(next_index)
+            r = todo[next_index]
+            _write(raw, result_line(r, out).encode("utf-8"))
+            summary.written += 1
+            summary.prompt_tokens += len(r.prompt_ids)
+            reason = out.finish_reason
+            summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
+            next_index += 1

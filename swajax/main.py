@@ -38,6 +38,20 @@ def tiny_e2b(num_layers: int = 10) -> gemma.TransformerConfig:
     )
 
 
+def _pinned_quota(layout, args) -> tuple[int, tuple[float, ...]]:
+    """(quota, pool ratio): room for two of the longest requests in the sliding group without
+    scratch and for four in the full group, the ratio pinned to that split (docs/design.md
+    "Budget": the published gains are with a pinned ratio)."""
+    need = swajax.pool.request_slots(
+        layout, args.prompt_len, chunk=args.chunk, max_new_tokens=args.new - 1
+    )
+    share = [
+        (2 if g.is_sliding else 4) * n * layout.slot_bytes(i)
+        for i, (g, n) in enumerate(zip(layout.groups, need, strict=True))
+    ]
+    return sum(share) + len(share), tuple(float(x) for x in share)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--prompts", type=int, default=8)
@@ -74,20 +88,7 @@ def main(argv=None):
             min_prefill_bucket=args.max_batch * args.chunk,
         )
 
-    # The quota: room for two of the longest requests in the sliding group without scratch and
-    # for four in the full group, with the pool ratio pinned to that split (docs/design.md "Budget":
-    # the published gains are with a pinned ratio).
-    probe = engine(kv_config(False, quota=1 << 30))
-    need = swajax.pool.request_slots(
-        probe.layout, args.prompt_len, chunk=args.chunk, max_new_tokens=args.new - 1
-    )
-    slot_bytes = [probe.layout.slot_bytes(g) for g in range(len(need))]
-    share = [
-        (2 if g.is_sliding else 4) * n * b
-        for g, n, b in zip(probe.layout.groups, need, slot_bytes, strict=True)
-    ]
-    quota = sum(share) + len(share)
-    ratio = tuple(float(x) for x in share)
+    quota, ratio = _pinned_quota(engine(kv_config(False, quota=1 << 30)).layout, args)
     print(
         f"model: tiny Gemma 4 E2B-shaped, {config.num_layers} layers "
         f"({config.layer_types.count('sliding')} sliding, window {config.sliding_window}; "

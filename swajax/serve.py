@@ -323,19 +323,9 @@ class Server:
         return sum(len(s.waiting) for s in self.engine.replicas.schedulers)
 
 
-def create_app(server: Server):
-    """The FastAPI app over `server` (its engine loop starts and stops with the app)."""
-    import contextlib
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.loop.start()
-        try:
-            yield
-        finally:
-            server.loop.stop()
-
-    app = FastAPI(title="swajax", lifespan=lifespan)
+def _add_error_handlers(app) -> None:
+    """A bad request is HTTP 400 (503 with Retry-After when the queue is full) with an
+    OpenAI-style error body naming the field."""
 
     @app.exception_handler(RequestError)
     async def request_error(request, e: RequestError):
@@ -347,6 +337,10 @@ def create_app(server: Server):
         err = e.errors()[0] if e.errors() else {}
         param = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
         return JSONResponse(RequestError(err.get("msg", "invalid request"), param).body(), 400)
+
+
+def _add_info_routes(app, server: Server) -> None:
+    """GET /health, /v1/models and /metrics (Prometheus text)."""
 
     @app.get("/health")
     async def health():
@@ -371,6 +365,23 @@ def create_app(server: Server):
         from prometheus_client import generate_latest
 
         return PlainTextResponse(generate_latest(server.registry).decode())
+
+
+def create_app(server: Server):
+    """The FastAPI app over `server` (its engine loop starts and stops with the app)."""
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    app = FastAPI(title="swajax", lifespan=lifespan)
+    _add_error_handlers(app)
+    _add_info_routes(app, server)
 
     async def completion(request: Request, chat: bool):
         try:

@@ -122,8 +122,8 @@ def test_the_walker_sees_cycles_and_upward_edges():
     """The checks above can fail: a made-up graph with a cycle through a lazy import."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
-    # a function-local import is an edge: the engine imports tqdm only inside `run`
-    assert "tqdm" in GRAPH["swajax._engine"] and "swajax._scheduler" in GRAPH["swajax._replicas"]
+    # a function-local import is an edge: `RequestAPI` imports tqdm only inside `run`
+    assert "tqdm" in GRAPH["swajax._request_api"] and "swajax._scheduler" in GRAPH["swajax._replicas"]
 
 
 @pytest.mark.parametrize(
