@@ -347,6 +347,14 @@ def plot(rows: list[dict], path: pathlib.Path | None = None):
     return fig
 
 
+def git_commit() -> str | None:
+    """The full commit of the checkout (experiments._meta's rule: $SWAJAX_GIT_COMMIT wins)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from experiments._meta import git_commit as commit
+
+    return commit()
+
+
 def versions() -> dict:
     def version(dist):
         try:
@@ -409,6 +417,7 @@ def main(argv=None) -> dict:
             "steady = after the prefill, peak = most during it. From layer specs alone via "
             "swajax.pool.kv_bytes_per_sequence; device independent."
         ),
+        "git_commit": git_commit(),
         "versions": versions(),
         "parameters": {
             "presets": list(PRESETS),

@@ -28,6 +28,7 @@ import json
 import platform
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -310,6 +311,7 @@ def main(argv=None) -> dict:
     result = {
         "machine": platform.platform(),
         "devices": [str(d) for d in jax.devices()],
+        "git_commit": _git_commit(),
         "versions": {"jax": jax.__version__, "optax": optax.__version__},
         "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "config": gemma.config_to_hf(config),
@@ -323,6 +325,14 @@ def main(argv=None) -> dict:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _git_commit() -> str | None:
+    """The full commit of the checkout (experiments._meta's rule)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments._meta import git_commit
+
+    return git_commit()
 
 
 if __name__ == "__main__":

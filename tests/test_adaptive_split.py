@@ -113,8 +113,8 @@ def test_adaptive_config_plans_with_the_hints_until_requests_come():
 ROWS, NEW, CHUNK = 8, 4, 64  # chunk 64 >> window 16: scratch reuse matters
 
 
-def engine(model, ratio, quota, **kw):
-    cfg = kv_config(True, max_gpu_total_bytes=quota, pool_ratio=ratio, **kw)
+def engine(model, ratio, quota, *, scratch=True, **kw):
+    cfg = kv_config(scratch, max_gpu_total_bytes=quota, pool_ratio=ratio, **kw)
     return swajax.Engine(
         model,
         cfg,

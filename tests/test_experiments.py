@@ -96,6 +96,7 @@ def test_kv_memory_main_writes_json_and_png(tmp_path, capsys):
     assert data["rows"] == result["rows"]
     assert len(data["rows"]) == len(kv_memory.PRESETS) * len(kv_memory.INPUT_LENGTHS)
     assert data["parameters"]["page_size"] == 32 and data["versions"]["jax"]
+    assert len(data["git_commit"]) == 40
     assert (tmp_path / "kv_memory.png").stat().st_size > 10_000
 
 

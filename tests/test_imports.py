@@ -123,7 +123,9 @@ def test_the_walker_sees_cycles_and_upward_edges():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
     # a function-local import is an edge: `RequestAPI` imports tqdm only inside `run`
-    assert "tqdm" in GRAPH["swajax._request_api"] and "swajax._scheduler" in GRAPH["swajax._replicas"]
+    assert (
+        "tqdm" in GRAPH["swajax._request_api"] and "swajax._scheduler" in GRAPH["swajax._replicas"]
+    )
 
 
 @pytest.mark.parametrize(

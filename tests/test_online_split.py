@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_adaptive_split import CHUNK, NEW, ROWS, lengths, quota_for_three
-from test_generate import dense_greedy, kv_config, make_model, prompts_of
+from test_adaptive_split import NEW, engine, lengths, quota_for_three
+from test_generate import dense_greedy, make_model, prompts_of
 from test_pool_transforms import small_layout
 
 import swajax
@@ -70,13 +70,7 @@ def test_resize_moves_every_read_page_and_keeps_the_invariants(num_slots):
     assert all(h > 5 for h in held)
     if num_slots == "tight":  # exactly the held slots (the high ids were in use: compaction)
         num_slots = tuple(held)
-    new = swajax.pool.make_layout(
-        old.layer_specs,
-        swajax.KVCacheConfig(page_size=16, chunk_size=128, enable_swa_scratch_reuse=True),
-        max_context=256,
-        max_batch=4,
-        num_slots=num_slots,
-    )
+    new = small_layout(num_slots=num_slots, max_batch=4)
     ok, moved = swajax.pool.resize(old, new, state)
     assert bool(ok)
     before, after = _row_pages(old, state), _row_pages(new, moved)
@@ -106,17 +100,14 @@ def test_resize_refuses_a_split_below_the_slots_in_use_and_a_step_in_flight():
     old = small_layout(num_slots=(40, 40), max_batch=4)
     state = _random_pool(old, seed=4)
     held = [int(np.sum(np.asarray(r) > 0)) for r in state.refcount]
-    cfg = swajax.KVCacheConfig(page_size=16, chunk_size=128, enable_swa_scratch_reuse=True)
-    small = swajax.pool.make_layout(
-        old.layer_specs, cfg, max_context=256, max_batch=4, num_slots=(held[0] - 1, 40)
-    )
+    small = small_layout(num_slots=(held[0] - 1, 40), max_batch=4)
     ok, _ = swajax.pool.resize(old, small, state)
     assert not bool(ok)
     ok, in_flight = swajax.pool.reserve(old, state, np.full((4,), 1, np.int32))
     assert bool(ok)
     ok, _ = swajax.pool.resize(old, old, in_flight)
     assert not bool(ok)
-    other = swajax.pool.make_layout(old.layer_specs, cfg, max_context=256, max_batch=2, num_slots=9)
+    other = small_layout(num_slots=(9, 9), max_batch=2)
     with pytest.raises(ValueError, match="slot counts"):
         swajax.pool.resize(old, other, state)
     ledger = swajax.pool.SlotLedger(old)
@@ -125,11 +116,7 @@ def test_resize_refuses_a_split_below_the_slots_in_use_and_a_step_in_flight():
         ledger.resize(small)
     ledger.advance()
     with pytest.raises(ValueError, match="cannot hold"):
-        ledger.resize(
-            swajax.pool.make_layout(
-                old.layer_specs, cfg, max_context=256, max_batch=4, num_slots=(1, 1)
-            )
-        )
+        ledger.resize(small_layout(num_slots=(1, 1), max_batch=4))
 
 
 def test_online_policy_by_hand():
@@ -147,13 +134,7 @@ def test_online_policy_by_hand():
     expected = (int(quota / (1 + w)) // 1536, int(quota * w / (1 + w)) // 512)
     assert slots == expected == (55, 234)
     policy.resplit()
-    moved = swajax.pool.make_layout(
-        lay.layer_specs,
-        swajax.KVCacheConfig(page_size=16, chunk_size=128, enable_swa_scratch_reuse=True),
-        max_context=256,
-        max_batch=64,
-        num_slots=slots,
-    )
+    moved = small_layout(num_slots=slots, max_batch=64)
     policy.observe(lay, (100, 100))  # a shift back, inside the cooldown
     assert policy.propose(moved, (0, 0)) is None
     assert policy.propose(moved, (80, 0), force=True) is not None  # a request that cannot fit
@@ -190,7 +171,7 @@ def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scrat
     runner's check)."""
     model = make_model("gemma4")
     quota = quota_for_three()
-    eng = _engine(model, quota, scratch, rebalance_cooldown=2, rebalance_ema=0.5)
+    eng = engine(model, "online", quota, scratch=scratch, rebalance_cooldown=2, rebalance_ema=0.5)
     running_at_resplit = []
     resize = eng.runner.resize
 
@@ -221,17 +202,3 @@ def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scrat
     assert used <= quota
     eng.clear_prefix_cache()
     np.testing.assert_array_equal(np.asarray(eng.state.free_count), eng.num_slots)
-
-
-def _engine(model, quota, scratch, **cfg):
-    kv = kv_config(scratch, max_gpu_total_bytes=quota, pool_ratio="online", **cfg)
-    return swajax.Engine(
-        model,
-        kv,
-        max_context=128,
-        max_batch=ROWS,
-        prefill_chunk_size=CHUNK,
-        max_num_tokens=CHUNK,
-        min_prefill_bucket=CHUNK,
-        implementation="reference",
-    )
