@@ -90,13 +90,14 @@ class Engine(RequestAPI):
             is_multimodal=getattr(model_config, "is_multimodal", False),
             has_external_kv_draft=getattr(model_config, "has_external_kv_draft", False),
         )
-        model, mesh, param_shardings = _sharding.model_on_mesh(model, cfg.mesh)
+        mesh = None if cfg.mesh is None else _sharding.serving_mesh(cfg.mesh)
         dp, tp = (1, 1) if mesh is None else _sharding.mesh_sizes(mesh)
         if cfg.batch_invariant and dp > 1:
             raise ValueError(
                 f"batch_invariant=True needs one data-parallel replica, got {dp}: one step runs "
                 "every replica's plan, and each replica's scheduler picks its own step kind"
             )
+        model, param_shardings = _sharding.model_on_mesh(model, mesh)
         self.config = cfg
         self.vocab_size = model_config.vocab_size
         rows = cfg.max_batch + cfg.prefix_cache_rows

@@ -54,13 +54,12 @@ from swajax._state import KVPoolState, init_state, initial_tables
 
 
 def model_on_mesh(model, mesh: Mesh | None):
-    """(model, serving mesh, parameter shardings) for serving on `mesh` (None: (model, None,
+    """(model, parameter shardings) for serving on `mesh`, a `serving_mesh` (None: (model,
     None)). The model must have `partition_specs(tp)` (TypeError otherwise; ValueError for a
     tp its heads cannot be split over); with tp > 1 its `for_tensor_parallel(tp)`, where it
     has one, is what runs."""
     if mesh is None:
-        return model, None, None
-    mesh = serving_mesh(mesh)
+        return model, None
     _, tp = mesh_sizes(mesh)
     if not callable(getattr(model, "partition_specs", None)):
         raise TypeError(
@@ -69,7 +68,7 @@ def model_on_mesh(model, mesh: Mesh | None):
     specs = model.partition_specs(tp)
     if tp > 1 and callable(getattr(model, "for_tensor_parallel", None)):
         model = model.for_tensor_parallel(tp)
-    return model, mesh, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return model, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
 # ----------------------------------------------------------------------------- pool state
