@@ -332,6 +332,63 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
     _check_device_bytes(reference, engine, tp)
 
 
+@needs_mesh
+def test_online_split_on_a_mesh_keeps_the_greedy_tokens(monkeypatch):
+    """pool_ratio="online" on two replicas x tp 2, three times the one-device pool: the
+    split is made by the policy from the first step's demand through the sharded resize (per
+    replica, the pool roots split over KV heads), and the greedy tokens stay the one-device
+    engine's. (Re-splits with requests running are tested on one device,
+    `tests/test_online_split.py`; in this staggered run the policy proposes none after the
+    first.)"""
+    slots, expected, _, _ = one_device("gemma4", True)
+    model = make_model("gemma4")
+    mesh = mesh_of(2, 2)
+    probe = _engine(model, True, mesh=mesh, slots=slots, max_batch=2)
+    quota = 3 * sum(n * probe.layout.slot_bytes(g) for g, n in enumerate(slots))
+    cfg = swajax.KVCacheConfig(
+        page_size=16,
+        dtype=jnp.float32,
+        enable_swa_scratch_reuse=True,
+        max_gpu_total_bytes=quota,
+        pool_ratio="online",
+        rebalance_cooldown=1,
+        rebalance_ema=1.0,  # this step's demand alone, any change of shares: re-split often
+        rebalance_threshold=0.0,
+    )
+    engine = swajax.Engine(
+        model,
+        cfg,
+        max_batch=2,
+        min_prefill_bucket=3 * CHUNK,
+        mesh=mesh,
+        max_context=128,
+        prefill_chunk_size=CHUNK,
+        implementation="reference",
+    )
+    running = []
+    resize = engine.runner.resize
+
+    def spy(layout):
+        running.append(sum(len(s.running) for s in engine.replicas.schedulers))
+        resize(layout)
+
+    monkeypatch.setattr(engine.runner, "resize", spy)
+    done = {}
+    with engine.recording() as stats:
+        # the shortest prompt first, alone; the longer ones arrive while it decodes
+        ids = [engine.add_request(PROMPTS[2], MAX_NEW)]
+        for _ in range(2):
+            done.update((o.request_id, o) for o in engine.step())
+        ids += [engine.add_request(p, MAX_NEW) for p in PROMPTS[:2]]
+        while engine.has_unfinished_requests:
+            done.update((o.request_id, o) for o in engine.step())
+    tokens = [list(done[i].token_ids) for i in ids]
+    assert tokens == [expected[2], expected[0], expected[1]]
+    assert stats.resplits == len(running) >= 1, running
+    engine.clear_prefix_cache()
+    np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(engine.num_slots) * 2)
+
+
 def _check_device_bytes(reference, engine, tp):
     """Per device: the parameters as the rule says (about 1/tp of one device's: presets in
     `test_partition_rule_on_every_preset`; at these widths the replicated norms and K / V
