@@ -171,7 +171,7 @@ def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scrat
     runner's check)."""
     model = make_model("gemma4")
     quota = quota_for_three()
-    eng = engine(model, "online", quota, scratch=scratch, rebalance_cooldown=2, rebalance_ema=0.5)
+    eng = engine(model, "online", quota, scratch=scratch, rebalance_cooldown=6, rebalance_ema=0.5)
     running_at_resplit = []
     resize = eng.runner.resize
 
