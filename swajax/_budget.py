@@ -476,10 +476,10 @@ class OnlineRebalance:
         if total <= 0:
             return None
         num_groups = len(layout.groups)
-        held = [layout.slot_bytes(g) * layout.groups[g].num_slots for g in range(num_groups)]
+        pool = [layout.slot_bytes(g) * layout.groups[g].num_slots for g in range(num_groups)]
         # a group with no demand keeps a sliver of weight (its minimum slots come below)
         target = [max(a / total, 1e-3) for a in self.average]
-        shares = [h / sum(held) for h in held]
+        shares = [b / sum(pool) for b in pool]
         moved = any(abs(t / c - 1.0) > self.threshold for t, c in zip(target, shares, strict=True))
         if not moved and not force:
             return None
@@ -599,7 +599,6 @@ class PoolSplit:
         self.current = None  # the adaptive split in effect
         self.headroom: tuple[int, ...] = ()
         self.online: OnlineRebalance | None = online  # pool_ratio="online"
-        self.resplits = 0  # splits applied while requests ran ("online")
 
     @classmethod
     def of(cls, kv: KVCacheConfig, fraction: float) -> PoolSplit:

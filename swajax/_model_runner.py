@@ -148,21 +148,30 @@ class ModelRunner:
         self._use_layout(layout)
         if self.mesh is None:
             state = init_state(layout)
-            tables = initial_tables(layout)  # updated in place by the gather (per_layer mode)
             prev_tokens = jnp.zeros((layout.serving_rows,), jnp.int32)
             # Committed to their device (no copy), as every step's outputs are: a first step
             # with uncommitted inputs would be a second compile of the same step.
             device = next(iter(jax.tree.leaves(state)[0].devices()))
-            self.state, self.tables, self.prev_tokens = jax.device_put(
-                (state, tables, prev_tokens), device
-            )
+            self.state, self.prev_tokens = jax.device_put((state, prev_tokens), device)
         else:  # every replica's, concatenated along the first axis
             self.state = _sharding.init_state_sharded(layout, self.mesh)
-            self.tables = _sharding.initial_tables_sharded(layout, self.mesh)
             self.prev_tokens = jax.device_put(
                 np.zeros((self.num_replicas * layout.serving_rows,), np.int32),
                 _sharding.replica_sharding(self.mesh),
             )
+        self.tables = self._fresh_tables()
+
+    @property
+    def _device(self):
+        """The device of the pool state (one of them on a mesh)."""
+        return next(iter(jax.tree.leaves(self.state)[0].devices()))
+
+    def _fresh_tables(self):
+        """All-BAD page tables of the layout beside the state (updated in place by the gather
+        in per_layer mode; None in shared mode)."""
+        if self.mesh is None:
+            return jax.device_put(initial_tables(self.layout), self._device)
+        return _sharding.initial_tables_sharded(self.layout, self.mesh)
 
     def _use_layout(self, layout: KVLayout) -> None:
         self.layout = layout
@@ -175,9 +184,8 @@ class ModelRunner:
         """Whether the device has room for `layout`'s pool roots beside the current ones (a
         re-split holds both while it moves the pages); True without memory statistics."""
         need = sum(layout.slot_bytes(g) * grp.num_slots for g, grp in enumerate(layout.groups))
-        device = next(iter(jax.tree.leaves(self.state)[0].devices()))
         try:
-            stats = device.memory_stats()
+            stats = self._device.memory_stats()
         except Exception:  # noqa: BLE001 - a backend without statistics (CPU)
             stats = None
         if not stats or "bytes_limit" not in stats:
@@ -199,11 +207,7 @@ class ModelRunner:
             )
         self.state = state
         self._use_layout(layout)
-        if self.mesh is None:
-            device = next(iter(jax.tree.leaves(state)[0].devices()))
-            self.tables = jax.device_put(initial_tables(layout), device)
-        else:
-            self.tables = _sharding.initial_tables_sharded(layout, self.mesh)
+        self.tables = self._fresh_tables()
 
     @property
     def state_lost(self) -> bool:

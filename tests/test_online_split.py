@@ -163,6 +163,19 @@ def test_bad_online_settings(field, value):
         swajax.KVCacheConfig(**{field: value})
 
 
+def rows_running_at_resplits(engine, monkeypatch) -> list[int]:
+    """A list that gets, at each re-split of `engine`'s pool, the requests running then."""
+    running = []
+    resize = engine.runner.resize
+
+    def spy(layout):
+        running.append(sum(len(s.running) for s in engine.replicas.schedulers))
+        resize(layout)
+
+    monkeypatch.setattr(engine.runner, "resize", spy)
+    return running
+
+
 @pytest.mark.parametrize("scratch", [True, False])
 def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scratch, monkeypatch):
     """Short requests with long answers, then long prompts arriving while they run: the
@@ -172,14 +185,7 @@ def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scrat
     model = make_model("gemma4")
     quota = quota_for_three()
     eng = engine(model, "online", quota, scratch=scratch, rebalance_cooldown=6, rebalance_ema=0.5)
-    running_at_resplit = []
-    resize = eng.runner.resize
-
-    def spy(layout):
-        running_at_resplit.append(sum(len(s.running) for s in eng.replicas.schedulers))
-        resize(layout)
-
-    monkeypatch.setattr(eng.runner, "resize", spy)
+    running_at_resplit = rows_running_at_resplits(eng, monkeypatch)
     short_prompts, short_new = prompts_of(lengths(12, 12), seed=12)[:4], 24
     long_prompts = prompts_of(lengths(100, 11), seed=11)[:4]
     outputs = {}

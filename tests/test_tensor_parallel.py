@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_generate import prompts_of, tiny_gemma3, tiny_gemma4
+from test_online_split import rows_running_at_resplits
 
 import gemma
 import swajax
@@ -365,14 +366,7 @@ def test_online_split_on_a_mesh_keeps_the_greedy_tokens(monkeypatch):
         prefill_chunk_size=CHUNK,
         implementation="reference",
     )
-    running = []
-    resize = engine.runner.resize
-
-    def spy(layout):
-        running.append(sum(len(s.running) for s in engine.replicas.schedulers))
-        resize(layout)
-
-    monkeypatch.setattr(engine.runner, "resize", spy)
+    running = rows_running_at_resplits(engine, monkeypatch)
     done = {}
     with engine.recording() as stats:
         # the shortest prompt first, alone; the longer ones arrive while it decodes
