@@ -58,6 +58,12 @@ for stage in "$@"; do
     repro)  # the reproduction's cells from the pinned tree .repro/ (tools/repro_tree.sh <sha>):
       # PRESETS=gemma4_e2b [SETUPS=cap_only,pinned_8k] -> $OUT/repro_<preset>[_<setups>]_h200.json
       tag=${PRESETS:-gemma4_e2b}${SETUPS:+_${SETUPS//,/-}}
+      # online cells: their predicted layouts compiled ahead, in threads (repro_online_layouts.py)
+      if [[ -z "${SETUPS:-}" || ",$SETUPS," == *",online,"* ]]; then
+        ( cd .repro && SWAJAX_GIT_COMMIT=$(cat COMMIT) PYTHONPATH=. run "repro_online_layouts_$tag" \
+            "${STAGE_LIMIT_repro_online:-300}" python3 ../experiments/repro_online_layouts.py \
+            --presets "${PRESETS:-gemma4_e2b}" --requests 24 --out "$OUT/online_layouts_${tag}.json" )
+      fi
       ( cd .repro && SWAJAX_GIT_COMMIT=$(cat COMMIT) PYTHONPATH=. run "repro_$tag" \
           "${STAGE_LIMIT_repro:-590}" python3 experiments/swa_scratch_throughput.py \
           --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} --requests 24 \

@@ -329,10 +329,23 @@ def cell_kv_config(config, params: Params, setup: str, scratch: bool, cap: int, 
     raise ValueError(f"setup must be one of {SETUPS}, got {setup!r}")
 
 
+def cell_online(params: Params, setup: str, cap: int):
+    """The cell's `OnlineRebalance` policy (pool_ratio="online"), for the host simulation;
+    None for the other setups."""
+    from swajax._budget import OnlineRebalance
+
+    if setup != "online":
+        return None
+    kv = base_kv_config(params, False, max_gpu_total_bytes=cap, pool_ratio="online")
+    return OnlineRebalance(
+        cap, ema=kv.rebalance_ema, threshold=kv.rebalance_threshold, cooldown=kv.rebalance_cooldown
+    )
+
+
 def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, prompts):
-    """The layout a cell's engine serves the workload on (the adaptive split applied; online:
-    the adaptive split too, its first split from the same queue; the host simulation does not
-    re-split)."""
+    """The layout a cell's engine starts the workload on (adaptive: the adaptive split applied;
+    online: the default split, which the policy re-splits from its first step on, as the
+    host simulation does)."""
     import swajax
     import swajax._layout
 
@@ -346,7 +359,7 @@ def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, pro
         max_chunk=min(params.max_num_tokens, context),
         scratch=scratch,
     )
-    if setup in ENGINE_SPLITS:
+    if setup == "adaptive":
         split = swajax.pool.adaptive_split(
             lay,
             [(len(p), params.output_len) for p in prompts],
@@ -357,6 +370,23 @@ def cell_layout(config, params: Params, setup: str, scratch: bool, cap: int, pro
         )
         lay = swajax._layout.with_num_slots(lay, split.num_slots)
     return lay
+
+
+def _simulated_rebalance(online, sched, params: Params) -> int:
+    """One step's `Engine._rebalance` on the host: the policy observes the scheduler's demand
+    and a proposed split is applied to the scheduler (1), or not (0)."""
+    from swajax._layout import with_num_slots
+    from swajax._scheduler import default_headroom
+
+    demand, minimum, force = sched.slot_demand()
+    layout = sched.ledger.layout
+    online.observe(layout, demand)
+    slots = online.propose(layout, minimum, force=force)
+    if slots is None:
+        return 0
+    sched.resize(with_num_slots(layout, slots), default_headroom(slots, params.admission_headroom))
+    online.resplit()
+    return 1
 
 
 # %% prediction: the engine's scheduler on the host, steps costed at H200 rates
@@ -379,9 +409,13 @@ def weight_bytes(config, params: Params) -> int:
     )
 
 
-def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
+def simulate(config, layout, params: Params, prompts, weights: int, online=None) -> dict:
     """Plans the workload with the engine's `Scheduler` and `SlotLedger` (no device) and costs
-    every step; returns steps, concurrency, preemptions, slots and the estimated seconds."""
+    every step; returns steps, concurrency, preemptions, slots and the estimated seconds.
+
+    `online`: a `swajax._budget.OnlineRebalance` (the cell's pool_ratio="online" policy),
+    applied between steps as `Engine._rebalance` applies it; the re-splits and the distinct
+    layouts they visit (each compiles its steps on first use) are counted."""
     import jax.numpy as jnp
 
     from experiments.bench_generate import attention_flops, kv_read_bytes, matmul_flops_per_token
@@ -413,10 +447,14 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
     matmul = H200["matmul_tflops"] * 1e12 * H200["prefill_efficiency"]
     decode_bucket = -(-params.rows // 8) * 8
     host_floor = H200["host_ms_per_layer"] * 1e-3 * len(config.layer_specs)
-    steps = prefill_steps = 0
+    steps = prefill_steps = resplits = 0
     seconds = prefill_seconds = 0.0
     concurrent, used = [], []
+    splits = {num_slots}
     while sched.has_work:
+        if online is not None:
+            resplits += _simulated_rebalance(online, sched, params)
+            splits.add(tuple(g.num_slots for g in sched.ledger.layout.groups))
         plan = sched.schedule()
         if plan is None:
             raise RuntimeError("the scheduler planned nothing with requests queued")
@@ -451,6 +489,8 @@ def simulate(config, layout, params: Params, prompts, weights: int) -> dict:
         num_slots=list(num_slots),
         peak_slots=[int(x) for x in np.max(used, axis=0)],
         mean_slots=[float(x) for x in np.mean(used, axis=0)],
+        resplits=resplits,
+        layouts=len(splits),
         est_seconds=seconds,
         est_prefill_share=prefill_seconds / seconds,
         est_output_tokens_per_s=params.requests * params.output_len / seconds,
@@ -1246,7 +1286,9 @@ def main(argv=None) -> dict:
         for setup, scratch in cells:
             try:
                 lay = cell_layout(config, params, setup, scratch, cap, prompts)
-                predicted[setup, scratch] = simulate(config, lay, params, prompts, weights)
+                predicted[setup, scratch] = simulate(
+                    config, lay, params, prompts, weights, online=cell_online(params, setup, cap)
+                )
             except Exception:  # noqa: BLE001 - reported with the cell
                 predicted[setup, scratch] = {"error": traceback.format_exc()[-1500:]}
         ok = {k: v for k, v in predicted.items() if "error" not in v}
@@ -1264,7 +1306,12 @@ def main(argv=None) -> dict:
                 + (
                     f"slots {pr['num_slots']} steps {pr['steps']} conc {pr['max_concurrent']} "
                     f"(mean {pr['mean_concurrent']:.1f}) preempt {pr['preemptions']} "
-                    f"{pr['est_seconds']:.0f} s ({100 * pr['est_prefill_share']:.0f} % in "
+                    + (
+                        f"resplits {pr['resplits']} layouts {pr['layouts']} "
+                        if pr.get("resplits")
+                        else ""
+                    )
+                    + f"{pr['est_seconds']:.0f} s ({100 * pr['est_prefill_share']:.0f} % in "
                     f"prefill steps) {pr['est_output_tokens_per_s']:.0f} out tok/s"
                     if "error" not in pr
                     else _last_line(pr["error"], 1000)

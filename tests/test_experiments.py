@@ -546,3 +546,31 @@ def test_swa_scratch_combine_keeps_one_commit_and_one_workload(tmp_path):
         swa_scratch.main(["--combine", str(a), str(wl), "--out", str(out)])
     with pytest.raises(ValueError, match="two files"):
         swa_scratch.main(["--combine", str(a), str(a), "--out", str(out)])
+
+
+def test_online_layouts_predicted_on_the_host_are_the_ones_the_engine_visits(monkeypatch):
+    """repro_online_layouts.py compiles ahead the layouts an online cell will visit; its host
+    prediction (the engine's scheduler and policy in the engine's order, tokens read one step
+    late) names the very layouts the engine re-splits into, in order."""
+    from test_adaptive_split import NEW, engine, lengths, quota_for_three
+    from test_generate import make_model, prompts_of
+
+    online_layouts = _load("repro_online_layouts")
+    eng = engine(
+        make_model("gemma4"), "online", quota_for_three(), rebalance_cooldown=6, rebalance_ema=0.5
+    )
+    prompts = prompts_of(lengths(12, 12), seed=12)[:4] + prompts_of(lengths(100, 11), seed=11)[:4]
+    predicted = online_layouts.predicted_layouts(eng, prompts, NEW)
+    visited = [eng.layout]
+    resize = eng.runner.resize
+
+    def spy(layout):
+        visited.append(layout)
+        resize(layout)
+
+    monkeypatch.setattr(eng.runner, "resize", spy)
+    eng.run(prompts, NEW)
+    assert len(visited) >= 3, visited  # the workload re-splits
+    assert predicted == list(dict.fromkeys(visited))
+    with pytest.raises(ValueError, match="served nothing"):
+        online_layouts.predicted_layouts(eng, prompts, NEW)
