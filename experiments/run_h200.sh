@@ -67,7 +67,7 @@ for stage in "$@"; do
       ( cd .repro && SWAJAX_GIT_COMMIT=$(cat COMMIT) PYTHONPATH=. run "repro_$tag" \
           "${STAGE_LIMIT_repro:-590}" python3 experiments/swa_scratch_throughput.py \
           --presets "${PRESETS:-gemma4_e2b}" ${SETUPS:+--setups $SETUPS} --requests 24 \
-          --out "$OUT/repro_${tag}_h200.json" ) ;;
+          ${REPRO_ARGS:-} --out "$OUT/repro_${tag}_h200.json" ) ;;  # REPRO_ARGS="--control"
     moe)  # one MoE layer's decode products: experts read in the stack vs copied out of it
       run moe "${STAGE_LIMIT_moe:-240}" python3 experiments/bench_moe.py \
         --out "$OUT/moe_decode_h200.json" ;;
