@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_generate import prompts_of, tiny_gemma3, tiny_gemma4
+from test_generate import dense_greedy, prompts_of, tiny_gemma3, tiny_gemma4
 from test_online_split import rows_running_at_resplits
 
 import gemma
@@ -334,51 +334,54 @@ def test_greedy_tokens_and_logits_equal_one_device(family, scratch, dp, tp):
 
 
 @needs_mesh
-def test_online_split_on_a_mesh_keeps_the_greedy_tokens(monkeypatch):
-    """pool_ratio="online" on two replicas x tp 2, three times the one-device pool: the
-    split is made by the policy from the first step's demand through the sharded resize (per
-    replica, the pool roots split over KV heads), and the greedy tokens stay the one-device
-    engine's. (Re-splits with requests running are tested on one device,
-    `tests/test_online_split.py`; in this staggered run the policy proposes none after the
-    first.)"""
-    slots, expected, _, _ = one_device("gemma4", True)
+def test_online_split_on_a_mesh_re_splits_with_requests_running(monkeypatch):
+    """pool_ratio="online" on two replicas x tp 2: short requests with long answers, then long
+    prompts arriving while they decode, so the demand moves to the full group (the workload of
+    `test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens`). The policy
+    re-splits with requests running, the sharded resize (per replica, the pool roots split over
+    KV heads) moves their pages, and the greedy tokens are the dense forward's. (A workload
+    whose demand keeps its shares, as the three staggered prompts of the tests above, re-splits
+    only once, on one device as on the mesh.)"""
+    from test_adaptive_split import NEW, lengths, quota_for_three
+
     model = make_model("gemma4")
-    mesh = mesh_of(2, 2)
-    probe = _engine(model, True, mesh=mesh, slots=slots, max_batch=2)
-    quota = 3 * sum(n * probe.layout.slot_bytes(g) for g, n in enumerate(slots))
     cfg = swajax.KVCacheConfig(
         page_size=16,
         dtype=jnp.float32,
         enable_swa_scratch_reuse=True,
-        max_gpu_total_bytes=quota,
+        max_gpu_total_bytes=quota_for_three(),
         pool_ratio="online",
-        rebalance_cooldown=1,
-        rebalance_ema=1.0,  # this step's demand alone, any change of shares: re-split often
-        rebalance_threshold=0.0,
+        rebalance_cooldown=6,
+        rebalance_ema=0.5,
     )
     engine = swajax.Engine(
         model,
         cfg,
         max_batch=2,
-        min_prefill_bucket=3 * CHUNK,
-        mesh=mesh,
+        mesh=mesh_of(2, 2),
         max_context=128,
-        prefill_chunk_size=CHUNK,
+        prefill_chunk_size=16,
+        max_num_tokens=16,
+        min_prefill_bucket=16,
         implementation="reference",
     )
     running = rows_running_at_resplits(engine, monkeypatch)
+    short, long_ = (
+        prompts_of(lengths(12, 12), seed=12)[:4],
+        prompts_of(lengths(100, 11), seed=11)[:4],
+    )
     done = {}
     with engine.recording() as stats:
-        # the shortest prompt first, alone; the longer ones arrive while it decodes
-        ids = [engine.add_request(PROMPTS[2], MAX_NEW)]
-        for _ in range(2):
+        ids = [engine.add_request(p, 24) for p in short]
+        for _ in range(4):
             done.update((o.request_id, o) for o in engine.step())
-        ids += [engine.add_request(p, MAX_NEW) for p in PROMPTS[:2]]
+        ids += [engine.add_request(p, NEW) for p in long_]
         while engine.has_unfinished_requests:
             done.update((o.request_id, o) for o in engine.step())
     tokens = [list(done[i].token_ids) for i in ids]
-    assert tokens == [expected[2], expected[0], expected[1]]
-    assert stats.resplits == len(running) >= 1, running
+    assert tokens == dense_greedy(model, short, 24) + dense_greedy(model, long_, NEW)
+    assert stats.resplits == len(running) >= 2, running
+    assert any(n > 0 for n in running), running  # pages moved under running requests
     engine.clear_prefix_cache()
     np.testing.assert_array_equal(np.asarray(engine.state.free_count), list(engine.num_slots) * 2)
 
