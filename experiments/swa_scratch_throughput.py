@@ -1023,9 +1023,18 @@ def _show(r, key) -> str:
     return f"~{pred[key]}" if key in pred else "-"
 
 
-def plot(comp: dict, path: pathlib.Path) -> None:
+def _card(device: str | None) -> str:
+    """A short card name ("H100", "H200", "cpu") from a device description."""
+    text = str(device or "")
+    return next(
+        (c for c in ("B200", "H200", "H100") if c in text), text.split()[-1] if text else "?"
+    )
+
+
+def plot(comp: dict, path: pathlib.Path, device: str | None = None) -> None:
     """One panel per model (in `PRESETS` order): ON vs OFF change per setup, ours (measured,
-    labelled; predicted as a marker) beside the published percentage."""
+    labelled with the `device` that ran the cells; predicted as a marker) beside the published
+    percentage."""
     import matplotlib.pyplot as plt
 
     presets = [p for p in PRESETS if p in comp] + [p for p in comp if p not in PRESETS]
@@ -1045,7 +1054,9 @@ def plot(comp: dict, path: pathlib.Path) -> None:
             ours.append(c.get("change_pct"))
             pred.append(c.get("predicted_change_pct"))
             publ.append(c.get("published_pct"))
-        bars = ax.bar(x - 0.2, [nan(v) for v in ours], 0.4, label="ours (H200)", color="tab:red")
+        bars = ax.bar(
+            x - 0.2, [nan(v) for v in ours], 0.4, label=f"ours ({_card(device)})", color="tab:red"
+        )
         ax.bar_label(bars, [f"{v:+.0f}" if v is not None else "" for v in ours], fontsize=7)
         pbars = ax.bar(x + 0.2, [nan(v) for v in publ], 0.4, label="published (B200)", color="0.6")
         ax.bar_label(pbars, [f"{v:+.1f}" if v is not None else "" for v in publ], fontsize=7)
@@ -1225,7 +1236,7 @@ def combine(paths, out: pathlib.Path, png: pathlib.Path | None = None) -> dict:
     out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(format_table(res["records"], res["comparison"]))
     png = png or out.with_suffix(".png")
-    plot(res["comparison"], png)
+    plot(res["comparison"], png, res.get("device"))
     print(f"wrote {out} and {png}")
     return res
 
@@ -1429,7 +1440,7 @@ def main(argv=None) -> dict:
     table = format_table(res["records"], res["comparison"])
     print(table)
     png = args.png or args.out.with_suffix(".png")
-    plot(res["comparison"], png)
+    plot(res["comparison"], png, res.get("device"))
     print(f"wrote {args.out} and {png}")
     return res
 
