@@ -1023,12 +1023,11 @@ def _show(r, key) -> str:
     return f"~{pred[key]}" if key in pred else "-"
 
 
-def _card(device: str | None) -> str:
-    """A short card name ("H100", "H200", "cpu") from a device description."""
-    text = str(device or "")
-    return next(
-        (c for c in ("B200", "H200", "H100") if c in text), text.split()[-1] if text else "?"
-    )
+def _card(device) -> str:
+    """Short card names ("H100", "H100 + H200") from a device description or a list of them."""
+    texts = [str(d) for d in device] if isinstance(device, list | tuple) else [str(device or "")]
+    cards = [c for c in ("B200", "H200", "H100") if any(c in t for t in texts)]
+    return " + ".join(cards) or (texts[0].split()[-1] if texts[0] else "?")
 
 
 def plot(comp: dict, path: pathlib.Path, device: str | None = None) -> None:
@@ -1236,7 +1235,7 @@ def combine(paths, out: pathlib.Path, png: pathlib.Path | None = None) -> dict:
     out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(format_table(res["records"], res["comparison"]))
     png = png or out.with_suffix(".png")
-    plot(res["comparison"], png, res.get("device"))
+    plot(res["comparison"], png, res["devices"])
     print(f"wrote {out} and {png}")
     return res
 
