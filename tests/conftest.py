@@ -31,6 +31,19 @@ if os.environ.get("SWAJAX_TEST_COMPILATION_CACHE", "1") != "0":
     _session_compilation_cache()
 
 
+@pytest.fixture
+def no_persistent_cache_writes():
+    """Compiles without writing JAX's persistent cache (reads still hit) for the test. For
+    whole engine steps that run the Mosaic GPU kernels in interpret mode: serialising such an
+    executable (its race-detection host callbacks) aborted the XLA process in two of five
+    suite runs (`experiments/notes/engine.md` v22)."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    jax.config.update(key, float("inf"))
+    yield
+    jax.config.update(key, before)
+
+
 def _has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())

@@ -373,6 +373,7 @@ def _moe_kernel_model(scan: bool):
     return model
 
 
+@pytest.mark.usefixtures("no_persistent_cache_writes")
 def test_scanned_experts_in_place_run_the_tile_kernel_in_interpret_mode():
     """The scan's experts read in place by the tile kernel (GPU interpret mode, race detection
     on) with the scan's counter as the traced offset, against the per-layer unrolled model
@@ -404,6 +405,7 @@ def _kernel_model(scan: bool):
     return model
 
 
+@pytest.mark.usefixtures("no_persistent_cache_writes")
 def test_scanned_decode_runs_the_stacked_kernel_in_interpret_mode():
     """The paged engine's decode steps with every scanned matrix read in its stack by the
     stacked matmul kernel (GPU interpret mode, race detection on, the layer the scan's
