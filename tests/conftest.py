@@ -25,6 +25,10 @@ def _session_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size bound turns on the cache's file lock around every read and write: without it
+    # one worker can read an entry another is still writing (a torn executable; the suite
+    # lost workers to aborts and segmentation faults in compile and cache write).
+    jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 if os.environ.get("SWAJAX_TEST_COMPILATION_CACHE", "1") != "0":
