@@ -176,6 +176,24 @@ def rows_running_at_resplits(engine, monkeypatch) -> list[int]:
     return running
 
 
+def shifting_demand_run(engine, model):
+    """Short requests with long answers, then long prompts added while they decode (the demand
+    moves to the full group); returns (tokens, dense greedy tokens, RunStats)."""
+    short, short_new = prompts_of(lengths(12, 12), seed=12)[:4], 24
+    long_ = prompts_of(lengths(100, 11), seed=11)[:4]
+    outputs = {}
+    with engine.recording() as stats:
+        ids = [engine.add_request(p, short_new) for p in short]
+        for _ in range(4):
+            outputs.update((o.request_id, o) for o in engine.step())
+        ids += [engine.add_request(p, NEW) for p in long_]
+        while engine.has_unfinished_requests:
+            outputs.update((o.request_id, o) for o in engine.step())
+    tokens = [list(outputs[i].token_ids) for i in ids]
+    expected = dense_greedy(model, short, short_new) + dense_greedy(model, long_, NEW)
+    return tokens, expected, stats
+
+
 @pytest.mark.parametrize("scratch", [True, False])
 def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scratch, monkeypatch):
     """Short requests with long answers, then long prompts arriving while they run: the
@@ -186,20 +204,7 @@ def test_online_engine_re_splits_while_requests_run_and_keeps_their_tokens(scrat
     quota = quota_for_three()
     eng = engine(model, "online", quota, scratch=scratch, rebalance_cooldown=6, rebalance_ema=0.5)
     running_at_resplit = rows_running_at_resplits(eng, monkeypatch)
-    short_prompts, short_new = prompts_of(lengths(12, 12), seed=12)[:4], 24
-    long_prompts = prompts_of(lengths(100, 11), seed=11)[:4]
-    outputs = {}
-    with eng.recording() as stats:
-        ids = [eng.add_request(p, short_new) for p in short_prompts]
-        for _ in range(4):
-            outputs.update((o.request_id, o) for o in eng.step())
-        ids += [eng.add_request(p, NEW) for p in long_prompts]
-        while eng.has_unfinished_requests:
-            outputs.update((o.request_id, o) for o in eng.step())
-    tokens = [list(outputs[i].token_ids) for i in ids]
-    expected = dense_greedy(model, short_prompts, short_new) + dense_greedy(
-        model, long_prompts, NEW
-    )
+    tokens, expected, stats = shifting_demand_run(eng, model)
     assert tokens == expected
     assert stats.resplits == len(running_at_resplit) >= 2
     assert any(n > 0 for n in running_at_resplit), running_at_resplit

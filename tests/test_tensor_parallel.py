@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_generate import dense_greedy, prompts_of, tiny_gemma3, tiny_gemma4
+from test_generate import prompts_of, tiny_gemma3, tiny_gemma4
 from test_online_split import rows_running_at_resplits
 
 import gemma
@@ -342,7 +342,8 @@ def test_online_split_on_a_mesh_re_splits_with_requests_running(monkeypatch):
     KV heads) moves their pages, and the greedy tokens are the dense forward's. (A workload
     whose demand keeps its shares, as the three staggered prompts of the tests above, re-splits
     only once, on one device as on the mesh.)"""
-    from test_adaptive_split import NEW, lengths, quota_for_three
+    from test_adaptive_split import quota_for_three
+    from test_online_split import shifting_demand_run
 
     model = make_model("gemma4")
     cfg = swajax.KVCacheConfig(
@@ -366,20 +367,8 @@ def test_online_split_on_a_mesh_re_splits_with_requests_running(monkeypatch):
         implementation="reference",
     )
     running = rows_running_at_resplits(engine, monkeypatch)
-    short, long_ = (
-        prompts_of(lengths(12, 12), seed=12)[:4],
-        prompts_of(lengths(100, 11), seed=11)[:4],
-    )
-    done = {}
-    with engine.recording() as stats:
-        ids = [engine.add_request(p, 24) for p in short]
-        for _ in range(4):
-            done.update((o.request_id, o) for o in engine.step())
-        ids += [engine.add_request(p, NEW) for p in long_]
-        while engine.has_unfinished_requests:
-            done.update((o.request_id, o) for o in engine.step())
-    tokens = [list(done[i].token_ids) for i in ids]
-    assert tokens == dense_greedy(model, short, 24) + dense_greedy(model, long_, NEW)
+    tokens, expected, stats = shifting_demand_run(engine, model)
+    assert tokens == expected
     assert stats.resplits == len(running) >= 2, running
     assert any(n > 0 for n in running), running  # pages moved under running requests
     engine.clear_prefix_cache()
