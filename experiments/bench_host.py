@@ -64,7 +64,6 @@ def measure(preset: str, scratch: bool, rows: int, input_len: int, steps: int) -
     lay, params = layout_for(preset, scratch, rows, input_len, steps)
     sched = Scheduler(
         SlotLedger(lay),
-        serving_rows=params.rows,
         max_num_tokens=params.max_num_tokens,
         chunk=lay.max_chunk,
         headroom=default_headroom([g.num_slots for g in lay.groups], params.admission_headroom),
@@ -92,8 +91,8 @@ def measure(preset: str, scratch: bool, rows: int, input_len: int, steps: int) -
         step_inputs(
             plan,
             num_tokens=-(-params.rows // 8) * 8 if plan.decode_only else params.max_num_tokens,
-            max_batch=lay.max_batch,
-            max_shares=4,
+            layout=lay,
+            max_cache_ops=4,
             sampling=lambda r: r.sampling.row_values(),
         )
         t2 = time.perf_counter()

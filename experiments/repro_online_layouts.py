@@ -44,14 +44,19 @@ def predicted_layouts(engine, prompts, max_new_tokens: int) -> list:
     if engine.pool.online is None or len(engine.replicas.schedulers) != 1:
         raise ValueError("predicted_layouts needs an idle one-replica pool_ratio='online' engine")
     cfg = engine.config
+    # (the pinned tree's scheduler took the serving rows and a count of prefix shares; the
+    # current one a count of prefix-cache ops)
+    if hasattr(engine.runner, "max_shares"):
+        cache = dict(serving_rows=cfg.max_batch, max_shares=engine.runner.max_shares)
+    else:
+        cache = dict(max_cache_ops=engine.runner.max_cache_ops)
     sched = make_scheduler(  # as the engine makes its own (`Engine._new_replicas`)
         engine.layout,
-        serving_rows=cfg.max_batch,
         max_num_tokens=cfg.max_num_tokens,
         chunk=cfg.prefill_chunk_size,
         headroom=default_headroom(engine.num_slots, engine.pool.fraction),
-        max_shares=engine.runner.max_shares,
         batch_invariant=cfg.batch_invariant,
+        **cache,
     )
     policy = copy.deepcopy(engine.pool.online)
     if engine.replicas.has_work or policy.average is not None:

@@ -426,7 +426,6 @@ def simulate(config, layout, params: Params, prompts, weights: int, online=None)
     num_slots = tuple(g.num_slots for g in layout.groups)
     sched = make_scheduler(
         layout,
-        serving_rows=params.rows,
         max_num_tokens=params.max_num_tokens,
         chunk=layout.max_chunk,
         headroom=default_headroom(num_slots, params.admission_headroom),

@@ -133,7 +133,7 @@ def quota_for_tokens(
 def default_pool_ratio(layout: KVLayout, kv_cache_config: KVCacheConfig) -> tuple[float, ...]:
     """Each group's share of Q for the expected batch (hints default to the layout's bounds)."""
     cfg = kv_cache_config
-    batch = cfg.expected_batch_size or layout.serving_rows
+    batch = cfg.expected_batch_size or layout.max_batch
     length = cfg.expected_input_length or layout.max_context
     chunk = cfg.chunk_size or layout.max_chunk
     demands = group_demands(layout, batch * length, batch, chunk)
@@ -141,9 +141,23 @@ def default_pool_ratio(layout: KVLayout, kv_cache_config: KVCacheConfig) -> tupl
     return tuple(d / total for d in demands)
 
 
+# With the prefix cache on, a pool may usefully hold this many times what its rows can: blocks
+# no row reads stay cached until admission needs their slots.
+CACHE_ROOM = 5
+
+
 def _max_useful_slots(layout: KVLayout, g: int) -> int:
-    """Slots group g can ever hold: every block of every row plus each row's scratch."""
-    return layout.max_batch * (layout.max_blocks + layout.groups[g].scratch_slots)
+    """Slots group g can ever hold: every block of every row plus each row's scratch (times
+    CACHE_ROOM with the prefix cache on)."""
+    rows = layout.max_batch * (CACHE_ROOM if layout.cache_nodes else 1)
+    return rows * (layout.max_blocks + layout.groups[g].scratch_slots)
+
+
+def prefix_cache_nodes(layout: KVLayout) -> int:
+    """`KVLayout.cache_nodes` of a layout with the prefix cache on: the most slots any split
+    of any quota gives all groups together, so every cached block can have a node id."""
+    rows = layout.max_batch * CACHE_ROOM
+    return sum(rows * (layout.max_blocks + g.scratch_slots) for g in layout.groups)
 
 
 def _split_slots(
@@ -252,13 +266,13 @@ def fitted_batch(
     """How many sequences of `length` tokens the quota holds: the largest B in (0, max_batch]
     with Q(B * length) <= quota for batch B and prefill chunk `chunk` (docs/design.md "Budget").
 
-    Fractional (Q is piecewise linear in B); max_batch defaults to layout.serving_rows, chunk to
+    Fractional (Q is piecewise linear in B); max_batch defaults to layout.max_batch, chunk to
     layout.max_chunk, the mode to the layout's. 0 < B < 1 when not even one sequence fits.
     """
     if not length > 0 or quota < 1:
         raise ValueError(f"need length > 0 and quota >= 1, got {length!r}, {quota!r}")
     chunk = layout.max_chunk if chunk is None else chunk
-    hi = float(layout.serving_rows if max_batch is None else max_batch)
+    hi = float(layout.max_batch if max_batch is None else max_batch)
     return _largest_batch(
         lambda b: quota_for_tokens(layout, b * length, b, chunk, scratch) <= quota, hi
     )
@@ -331,7 +345,7 @@ def rows_held(
     each group keeping `headroom` of its slots free (the admission rule's): the smallest over
     the groups of the largest B whose demand (`group_demands`) fits the group. Fractional."""
     chunk = layout.max_chunk if chunk is None else chunk
-    hi = float(layout.serving_rows if max_batch is None else max_batch)
+    hi = float(layout.max_batch if max_batch is None else max_batch)
     return min(
         _largest_batch(
             lambda b, g=g: (
@@ -376,7 +390,7 @@ def adaptive_split(
          most new tokens needs alone (`request_slots`, prefill chunks of layout.max_chunk); the
          bytes come from the other groups (ValueError if the quota cannot hold that).
     chunk: prefill tokens of one step (default layout.max_chunk); max_batch: rows served at
-    once (default layout.serving_rows).
+    once (default layout.max_batch).
     """
     if not requests or any(n < 1 or k < 1 for n, k in requests):
         raise ValueError(
@@ -427,7 +441,7 @@ class OnlineRebalance:
 
     Each step the engine reports every group's demand in slots (`observe`): the slots its
     running rows hold plus what the queue's next admissions need alone (`request_slots`), the
-    slots of parked prefixes left out (they are evictable). The policy keeps an exponential
+    slots only the prefix cache holds left out (they are evictable). The policy keeps an exponential
     moving average of each group's demand in bytes (weight `ema` per step). `propose` returns a
     new split when
       1. at least `cooldown` steps passed since the last one (or `force`: a queued request

@@ -21,7 +21,7 @@ own pool, ledger and scheduler (`swajax._replicas`), and one compiled step runs 
 Adaptive pool split (`KVCacheConfig(pool_ratio="adaptive")`, `swajax._budget.adaptive_split`):
 the split of the byte quota across pool groups follows the requests queued. A split's slot
 counts are static shapes of the compiled step, so a new split is a new layout (compiled once,
-then shared); the pool is split anew only while no request runs (parked prefixes are dropped
+then shared); the pool is split anew only while no request runs (cached blocks are dropped
 with the old split), to the split that fits the most requests of the queue's mean length,
 snapped to a coarse grid; every queued request fits the new split alone; the quota never
 changes. `pool_ratio="online"` (`swajax._budget.OnlineRebalance`) re-splits between steps
@@ -36,6 +36,7 @@ rebuilt and every request in the engine ends with an error output).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from swajax import _sharding, _validate
 from swajax._budget import (
     PoolSplit,
     plan_num_slots,
+    prefix_cache_nodes,
 )
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
@@ -100,18 +102,18 @@ class Engine(RequestAPI):
         model, param_shardings = _sharding.model_on_mesh(model, mesh)
         self.config = cfg
         self.vocab_size = model_config.vocab_size
-        rows = cfg.max_batch + cfg.prefix_cache_rows
         layout = build_layout(
             model_config.layer_specs,
             kv,
             max_context=cfg.max_context,
-            max_batch=rows,
+            max_batch=cfg.max_batch,
             max_chunk=cfg.prefill_chunk_size,
             num_slots=1,
             scratch=scratch,
             tp=tp,
-            cache_rows=cfg.prefix_cache_rows,
         )
+        if cfg.enable_prefix_caching:
+            layout = dataclasses.replace(layout, cache_nodes=prefix_cache_nodes(layout))
         self.pool = PoolSplit.of(kv, cfg.admission_headroom)
         layout = with_num_slots(layout, plan_num_slots(layout, kv, self.pool.quota))
         graphdef, params = nnx.split(model)
@@ -121,10 +123,9 @@ class Engine(RequestAPI):
             graphdef,
             params,
             layout,
-            serving_rows=cfg.max_batch,
             max_num_tokens=cfg.max_num_tokens,
             min_prefill_bucket=cfg.min_prefill_bucket,
-            max_shares=min(16, rows) if cfg.prefix_cache_rows else 0,
+            max_cache_ops=min(16, cfg.max_batch) if cfg.enable_prefix_caching else 0,
             implementation=cfg.implementation,
             mesh=mesh,
             num_replicas=dp,
@@ -141,11 +142,10 @@ class Engine(RequestAPI):
         self.replicas = Replicas(
             lambda: make_scheduler(
                 self.layout,
-                serving_rows=self.config.max_batch,
                 max_num_tokens=self.config.max_num_tokens,
                 chunk=self.config.prefill_chunk_size,
                 headroom=self.pool.headroom,
-                max_shares=self.runner.max_shares,
+                max_cache_ops=self.runner.max_cache_ops,
                 batch_invariant=self.config.batch_invariant,
             ),
             self.runner.num_replicas,
@@ -261,7 +261,7 @@ class Engine(RequestAPI):
             rec.stats.resplits += 1
 
     def clear_prefix_cache(self) -> None:
-        """Drops every parked prefix, returning its slots (shared blocks stay with other rows)."""
+        """Drops every cached block, returning its slot (blocks rows read stay with them)."""
         with self._step_lock:
             self.replicas.clear_cache()
             self._flush_bookkeeping()
@@ -354,8 +354,7 @@ class Engine(RequestAPI):
 
     def _flush_bookkeeping(self) -> None:
         """Frees on the device now the rows the schedulers released outside a step."""
-        plans = self.replicas.bookkeeping()
-        if plans is not None:
+        while (plans := self.replicas.bookkeeping()) is not None:
             self.runner.bookkeeping(plans)
 
     def _recover(self) -> list[RequestOutput]:

@@ -4,8 +4,7 @@
 build one, so they cannot drift apart. Fields left None take their defaults when an engine
 resolves the config against its model (`EngineConfig.resolved`): max_context the model's,
 max_batch `kv_cache.max_batch` or 16, max_num_tokens `kv_cache.max_num_tokens` or 8192,
-prefill_chunk_size `kv_cache.chunk_size` or max_num_tokens, min_prefill_bucket max_num_tokens,
-prefix_cache_rows (with prefix caching on) PREFIX_ROWS_PER_ROW x max_batch.
+prefill_chunk_size `kv_cache.chunk_size` or max_num_tokens, min_prefill_bucket max_num_tokens.
 """
 
 from __future__ import annotations
@@ -17,10 +16,6 @@ from swajax._config import KVCacheConfig
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_NUM_TOKENS = 8192
-# Cache rows per serving row by default: a cache row holds KV only by reference (its cost is a
-# page-table row), so the parked prefixes are bounded by free KV memory (entries are evicted
-# least recently used when admission needs their slots) and, past that, by this many entries.
-PREFIX_ROWS_PER_ROW = 4
 IMPLEMENTATIONS = ("auto", "reference", "pallas")
 
 
@@ -41,15 +36,14 @@ class EngineConfig:
       min_prefill_bucket: smallest token axis of a step with prefill rows; such steps are padded
         to powers of two from here up to max_num_tokens (the default compiles one variant).
       enable_prefix_caching: automatic prefix caching (`swajax._prefix_cache`): a request
-        starts from the longest whole-block prefix it shares with a parked prompt prefix or a
-        finished request's history, and skips prefilling it. On by default; greedy tokens are
-        those of an uncached engine. With it on, sliding layers keep two pages past their window
-        (`KVCacheConfig.max_rewind` >= 2 * page_size) so that a conversation's next turn, whose
-        re-encoded history may part from the parked one in its last tokens, still shares every
-        block before them.
-      prefix_cache_rows: most parked prefixes at once (cache rows past the serving rows, each
-        holding its blocks by reference); None: PREFIX_ROWS_PER_ROW x max_batch with prefix
-        caching on, 0 with it off.
+        starts from the longest whole-block prefix it shares with cached blocks (earlier
+        prompts, finished requests' histories, prefixes queued requests share), and skips
+        prefilling it. Cached blocks no row reads are bounded only by free KV memory: they are
+        evicted least recently used when admission needs their slots. On by default; greedy
+        tokens are those of an uncached engine. With it on, sliding layers keep two pages past
+        their window (`KVCacheConfig.max_rewind` >= 2 * page_size) so that a conversation's
+        next turn, whose re-encoded history may part from the cached one in its last tokens,
+        still shares every block before them.
       admission_headroom: fraction of each group's slots an admission leaves free for the
         running rows to grow.
       batch_invariant: a step holds decode rows only or prefill rows only, and prefill steps
@@ -68,7 +62,6 @@ class EngineConfig:
     implementation: str = "auto"
     min_prefill_bucket: int | None = None
     enable_prefix_caching: bool = True
-    prefix_cache_rows: int | None = None
     admission_headroom: float = 0.01
     batch_invariant: bool = False
     mesh: object = None
@@ -84,8 +77,6 @@ class EngineConfig:
                 _validate.positive_int(name, getattr(self, name))
         if self.min_prefill_bucket is not None:
             _validate.positive_int("min_prefill_bucket", self.min_prefill_bucket)
-        if self.prefix_cache_rows is not None:
-            _validate.positive_int("prefix_cache_rows", self.prefix_cache_rows, minimum=0)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
@@ -93,15 +84,6 @@ class EngineConfig:
         h = self.admission_headroom
         if isinstance(h, bool) or not isinstance(h, float | int) or not 0 <= h < 1:
             raise ValueError(f"admission_headroom must be in [0, 1), got {h!r}")
-        if self.prefix_cache_rows and self.enable_prefix_caching is False:
-            raise ValueError(
-                f"prefix_cache_rows={self.prefix_cache_rows} needs enable_prefix_caching=True"
-            )
-        if self.prefix_cache_rows == 0 and self.enable_prefix_caching is True:
-            raise ValueError(
-                "prefix_cache_rows=0 leaves no row to park a prefix in: set "
-                "enable_prefix_caching=False to turn prefix caching off"
-            )
         for name in ("batch_invariant", "precompile", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -144,10 +126,7 @@ class EngineConfig:
         bucket = min(self.min_prefill_bucket or tokens, tokens)
         rows = self.max_batch or cfg.max_batch or DEFAULT_MAX_BATCH
         if self.enable_prefix_caching:
-            cache_rows = self.prefix_cache_rows or PREFIX_ROWS_PER_ROW * rows
             cfg = dataclasses.replace(cfg, max_rewind=max(cfg.max_rewind, 2 * cfg.page_size))
-        else:
-            cache_rows = 0
         return dataclasses.replace(
             self,
             kv_cache=cfg,
@@ -156,5 +135,4 @@ class EngineConfig:
             max_num_tokens=tokens,
             prefill_chunk_size=chunk,
             min_prefill_bucket=bucket,
-            prefix_cache_rows=cache_rows,
         )

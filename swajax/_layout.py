@@ -29,9 +29,11 @@ Engine interface (all in `swajax`):
 Admission and sharing: free_slots(layout, state) -> i32[G]; slots_needed(layout, state, n) ->
 i32[G] (per_row=True: i32[G, B]); row_slots(layout, state) -> i32[G, B]; request_slots(layout,
 input_len, chunk=, max_new_tokens=) -> peak slots per group of one request (static);
-share_prefix(layout, state, src, dst, num_tokens) -> (ok, state). To keep a cached prefix
-usable with scratch on, end a step exactly at the reusable boundary k (the window ending at k
-is then not stale, so never scratch) and share right after that step's advance.
+The prefix cache: park(layout, state, ops) caches blocks rows hold, adopt(layout, state, ops)
+starts empty rows from cached blocks, release_cached(layout, state, nodes) lets them go. To
+keep a cached prefix usable with scratch on, end a step exactly at the reusable boundary k (the
+window ending at k is then not stale, so never scratch) and park right after that step's
+advance.
 """
 
 from __future__ import annotations
@@ -138,8 +140,7 @@ class KVLayout:
     Attributes:
       layer_specs: the model's per-layer specs.
       page_size: tokens per block (tpb).
-      max_batch: rows of the batch axis of every per-row array: the serving rows, then
-        `cache_rows` rows that park prefixes for the prefix cache (`swajax._prefix_cache`).
+      max_batch: rows of the batch axis of every per-row array (the rows that serve requests).
       max_context: longest sequence (history + new tokens), tokens.
       max_chunk: static bound on new tokens per row per step used to size scratch descriptors.
       max_rewind: see `KVCacheConfig.max_rewind`.
@@ -152,7 +153,9 @@ class KVLayout:
         layers).
       tp: tensor-parallel devices the pool roots' KV heads are split over (`PoolSpec.tp`);
         every byte count of the layout (`slot_bytes`, `pool_bytes`) is per device.
-      cache_rows: the last rows of the batch, which only park prefixes (never run a request).
+      cache_nodes: C, the length of each group's `KVPoolState.cached` array: the most blocks
+        the prefix cache names at once (`swajax._prefix_cache`); 0 with prefix caching off.
+        Fixed for an engine (a re-split keeps it).
     """
 
     layer_specs: tuple[LayerSpec, ...]
@@ -168,12 +171,12 @@ class KVLayout:
     pools: tuple[PoolSpec, ...]
     layer_pool: tuple[tuple[int, int], ...]
     tp: int = 1
-    cache_rows: int = 0
+    cache_nodes: int = 0
 
     @property
-    def serving_rows(self) -> int:
-        """Rows that run requests (the first ones)."""
-        return self.max_batch - self.cache_rows
+    def cache_releases(self) -> int:
+        """E, the most cached blocks one step releases (the length of its release list)."""
+        return 2 * self.max_blocks + 64 if self.cache_nodes else 0
 
     @property
     def max_blocks(self) -> int:
@@ -280,7 +283,7 @@ def build_layout(
     num_slots: int | Sequence[int] | None = None,
     scratch: bool | None = None,
     tp: int = 1,
-    cache_rows: int = 0,
+    cache_nodes: int = 0,
 ) -> KVLayout:
     """Builds the layout of a model's KV cache with `num_slots` (1 per group by default; the
     byte budget's counts: `swajax._budget.make_layout`).
@@ -298,7 +301,7 @@ def build_layout(
       tp: tensor-parallel devices each pool root's KV heads are split over (see
         `stored_kv_heads`); the byte budget is then per device (`max_gpu_total_bytes` is a
         per-device quota) and slot counts come from the per-device bytes of a slot.
-      cache_rows: how many of the max_batch rows are prefix-cache rows (the last ones).
+      cache_nodes: blocks the prefix cache may name at once (`KVLayout.cache_nodes`).
 
     Raises:
       ValueError: on inconsistent specs or settings, a KV-shared reader whose writer's scratch
@@ -312,14 +315,8 @@ def build_layout(
     max_batch, max_chunk, scratch = _checked_sizes(
         cfg, max_context, max_batch, max_chunk, tp, scratch
     )
-    if (
-        not isinstance(cache_rows, int)
-        or isinstance(cache_rows, bool)
-        or not 0 <= cache_rows < max_batch
-    ):
-        raise ValueError(
-            f"cache_rows must be an int in [0, max_batch={max_batch}), got {cache_rows!r}"
-        )
+    if not isinstance(cache_nodes, int) or isinstance(cache_nodes, bool) or cache_nodes < 0:
+        raise ValueError(f"cache_nodes must be an int >= 0, got {cache_nodes!r}")
     dtype = cfg.dtype.name
     life_cycles, pool_keys, pool_layers, layer_pool = _pools_of(specs)
     groups = _groups(life_cycles, pool_keys, pool_layers, max_chunk, cfg.page_size, scratch)
@@ -346,7 +343,7 @@ def build_layout(
         pools=pools,
         layer_pool=layer_pool,
         tp=tp,
-        cache_rows=cache_rows,
+        cache_nodes=cache_nodes,
     )
     return with_num_slots(layout, 1 if num_slots is None else num_slots)
 

@@ -6,8 +6,9 @@ ledger replays the transforms' slot arithmetic on Python ints, block by block: t
 formulas (`stale_range`, `scratch_range`, `scratch_slot_count` of `swajax._scratch`), the same
 truncation of a scratch range at `group.scratch_blocks`, the same refcounted sharing. It holds
 no slot ids, only which blocks each row holds (each held block an opaque id, so a shared prefix
-block counts once) and how many slots each group has free. `tests/test_ledger.py` checks it
-against the transforms' `free_count` on random schedules.
+block counts once), which blocks the prefix cache names (`cached`: node -> block id, as the
+device's `KVPoolState.cached`) and how many slots each group has free. `tests/test_ledger.py`
+checks it against the transforms' `free_count` on random schedules.
 
 Axis names as in `swajax._transforms`: B rows, G pool groups.
 """
@@ -54,6 +55,8 @@ class SlotLedger:
         ]
         self.refs: list[dict[int, int]] = [{} for _ in layout.groups]
         self.scratch = [[0] * layout.max_batch for _ in layout.groups]
+        # cached[g]: prefix-cache node -> block id (one reference each)
+        self.cached: list[dict[int, int]] = [{} for _ in layout.groups]
         self._ids = itertools.count()
         # per group: (window, sink blocks, scratch blocks, min scale) when it rotates scratch
         self._rotating = [
@@ -81,19 +84,6 @@ class SlotLedger:
         """Most slots per group one row holds while it is prefilled from empty to `length`
         tokens in steps of `chunk` (scratch included, as the transforms hold it)."""
         return _prefill_peak(self.layout, self.mode, length, chunk)
-
-    def exclusive_slots(self, rows: Sequence[int]) -> tuple[int, ...]:
-        """Slots per group that freeing `rows` would return (blocks no other row holds)."""
-        rows = set(rows)
-        out = []
-        for g in range(len(self.free)):
-            dropped: dict[int, int] = {}
-            for b in rows:
-                for block_id in self.blocks[g][b].values():
-                    dropped[block_id] = dropped.get(block_id, 0) + 1
-            freed = sum(1 for i, n in dropped.items() if self.refs[g][i] == n)
-            out.append(freed + sum(self.scratch[g][b] for b in rows))
-        return tuple(out)
 
     def is_empty(self, row: int) -> bool:
         return self.history[row] == 0 and self.cap[row] == 0 and not any(self.row_slots(row))
@@ -223,41 +213,84 @@ class SlotLedger:
         self.layout = layout
         self.free = [n - u for n, u in zip(new, used, strict=True)]
 
-    def _shared_blocks(self, src: int, num_tokens: int) -> tuple[int, list[set]] | None:
-        """(k, the block offsets per group that a row sharing src's first k tokens reads), or
-        None when src no longer holds one of them."""
+    # ------------------------------------------------------------------ prefix cache
+
+    def needed(self, g: int, k: int) -> list[int]:
+        """Blocks a row of history k (whole blocks) reads in group g (`needed_blocks`)."""
         lay, tpb = self.layout, self.layout.page_size
-        k = min(num_tokens, self.history[src]) // tpb * tpb
-        wanted = []
-        for g, group in enumerate(lay.groups):
-            needed = set(range(k // tpb))
-            if group.is_sliding:
-                start, end = stale_range(k - lay.max_rewind, group.window, group.sink_blocks, tpb)
-                needed -= set(range(int(start), int(end)))
-            if not needed <= set(self.blocks[g][src]):
-                return None
-            wanted.append(needed)
-        return k, wanted
+        group = lay.groups[g]
+        blocks = range(k // tpb)
+        if not group.is_sliding:
+            return list(blocks)
+        start, end = stale_range(k - lay.max_rewind, group.window, group.sink_blocks, tpb, INTS)
+        return [o for o in blocks if not start <= o < end]
 
-    def can_share(self, src: int, num_tokens: int) -> bool:
-        """Whether `share(src, dst, num_tokens)` would find every block it needs in src."""
-        return num_tokens >= 0 and self._shared_blocks(src, num_tokens) is not None
-
-    def share(self, src: int, dst: int, num_tokens: int) -> bool:
-        """Mirrors `share_prefix`: dst gets src's readable blocks of the first k tokens."""
-        if src == dst or num_tokens < 0 or not self.is_empty(dst):
-            return False
-        found = self._shared_blocks(src, num_tokens)
-        if found is None:
-            return False
-        k, wanted = found
-        for g, needed in enumerate(wanted):
-            for o in needed:
-                block_id = self.blocks[g][src][o]
-                self.blocks[g][dst][o] = block_id
+    def park(self, row: int, k: int, nodes: Sequence[int]) -> list[int]:
+        """Mirrors `park`: block i < k / page_size of `row` becomes cached node nodes[i] (-1:
+        none) in each group where the row holds it and the node names no block yet; returns
+        the group bit masks per block (the device's op)."""
+        masks = []
+        for i in range(k // self.layout.page_size):
+            mask = 0
+            node = nodes[i]
+            for g in range(len(self.free)):
+                block_id = self.blocks[g][row].get(i)
+                if node < 0 or block_id is None or node in self.cached[g]:
+                    continue
+                self.cached[g][node] = block_id
                 self.refs[g][block_id] += 1
-        self.history[dst] = self.cap[dst] = k
+                mask |= 1 << g
+            masks.append(mask)
+        return masks
+
+    def can_adopt(self, k: int, nodes: Sequence[int]) -> bool:
+        """Whether every block a row of history k reads is cached (block i as nodes[i])."""
+        return all(
+            i < len(nodes) and nodes[i] in self.cached[g]
+            for g in range(len(self.free))
+            for i in self.needed(g, k)
+        )
+
+    def adopt(self, row: int, k: int, nodes: Sequence[int]) -> bool:
+        """Mirrors `adopt`: empty row `row` starts from the cached blocks of history k."""
+        if not self.is_empty(row) or not self.can_adopt(k, nodes):
+            return False
+        for g in range(len(self.free)):
+            for i in self.needed(g, k):
+                block_id = self.cached[g][nodes[i]]
+                self.blocks[g][row][i] = block_id
+                self.refs[g][block_id] += 1
+        self.history[row] = self.cap[row] = k
         return True
+
+    def release_cached(self, node: int) -> None:
+        """Mirrors `release_cached`: the cache lets node's blocks go, in every group."""
+        for g in range(len(self.free)):
+            block_id = self.cached[g].pop(node, None)
+            if block_id is not None:
+                self.refs[g][block_id] -= 1
+                if self.refs[g][block_id] == 0:
+                    del self.refs[g][block_id]
+                    self.free[g] += 1
+
+    def cached_groups(self, node: int) -> int:
+        """Bit mask of the groups in which `node` names a block."""
+        return sum(1 << g for g in range(len(self.free)) if node in self.cached[g])
+
+    def frees_of(self, node: int) -> int:
+        """Slots (all groups) that releasing node would free: its blocks no row holds."""
+        return sum(
+            1
+            for g in range(len(self.free))
+            if node in self.cached[g] and self.refs[g][self.cached[g][node]] == 1
+        )
+
+    def cache_only_slots(self) -> tuple[int, ...]:
+        """Slots per group held by the prefix cache alone (evictable)."""
+        return tuple(
+            sum(1 for b in self.cached[g].values() if self.refs[g][b] == 1)
+            for g in range(len(self.free))
+        )
 
 
 @functools.lru_cache(maxsize=4096)

@@ -64,7 +64,7 @@ class StepResult:
     """What one step produced for one replica's plan (host numpy)."""
 
     plan: StepPlan
-    next_tokens: np.ndarray  # i32[R] the token each sampling (serving) row drew
+    next_tokens: np.ndarray  # i32[B] the token each sampling row drew
     finite: np.ndarray  # bool[R] whether the row's logits were all finite
     logits: np.ndarray | None  # f32[B, V], when the step returned them
 
@@ -109,8 +109,8 @@ class ModelRunner:
     Args:
       graphdef, params: the model split by `nnx.split` (params already on their shardings).
       layout: the pool layout of one replica.
-      serving_rows, max_num_tokens, min_prefill_bucket, max_shares: the step shapes (see
-        `swajax.EngineConfig`).
+      max_num_tokens, min_prefill_bucket: the step shapes (see `swajax.EngineConfig`).
+      max_cache_ops: the length of the step's park and adopt lists (0: no prefix cache).
       implementation: the attention kernels.
       mesh: a serving mesh (`swajax._sharding.serving_mesh`) or None; num_replicas its dp.
     """
@@ -121,19 +121,17 @@ class ModelRunner:
         params,
         layout: KVLayout,
         *,
-        serving_rows: int,
         max_num_tokens: int,
         min_prefill_bucket: int,
-        max_shares: int,
+        max_cache_ops: int,
         implementation: str,
         mesh=None,
         num_replicas: int = 1,
     ):
         self.graphdef, self.params = graphdef, params
-        self.serving_rows = serving_rows
         self.max_num_tokens = max_num_tokens
         self.min_prefill_bucket = min(min_prefill_bucket, max_num_tokens)
-        self.max_shares = max_shares
+        self.max_cache_ops = max_cache_ops
         self.implementation = implementation
         self.mesh, self.num_replicas = mesh, num_replicas
         self._traces_at_start: dict[KVLayout, int] = {}
@@ -148,7 +146,7 @@ class ModelRunner:
         self._use_layout(layout)
         if self.mesh is None:
             state = init_state(layout)
-            prev_tokens = jnp.zeros((layout.serving_rows,), jnp.int32)
+            prev_tokens = jnp.zeros((layout.max_batch,), jnp.int32)
             # Committed to their device (no copy), as every step's outputs are: a first step
             # with uncommitted inputs would be a second compile of the same step.
             device = next(iter(jax.tree.leaves(state)[0].devices()))
@@ -156,7 +154,7 @@ class ModelRunner:
         else:  # every replica's, concatenated along the first axis
             self.state = _sharding.init_state_sharded(layout, self.mesh)
             self.prev_tokens = jax.device_put(
-                np.zeros((self.num_replicas * layout.serving_rows,), np.int32),
+                np.zeros((self.num_replicas * layout.max_batch,), np.int32),
                 _sharding.replica_sharding(self.mesh),
             )
         self.tables = self._fresh_tables()
@@ -226,7 +224,7 @@ class ModelRunner:
         """The compiled step that runs these plans (None entries: replicas with no step)."""
         plans = [p for p in plans if p is not None and p.new_tokens]
         if all(p.decode_only for p in plans):
-            num_tokens, decode = round_up(max(self.serving_rows, 1), MIN_BUCKET), True
+            num_tokens, decode = round_up(self.layout.max_batch, MIN_BUCKET), True
         else:
             n = max(max(p.num_tokens for p in plans), self.min_prefill_bucket, MIN_BUCKET)
             num_tokens, decode = min(1 << (n - 1).bit_length(), self.max_num_tokens), False
@@ -243,7 +241,7 @@ class ModelRunner:
             if t >= self.max_num_tokens:
                 break
             n = t + 1
-        return [(round_up(self.serving_rows, MIN_BUCKET), True), *buckets]
+        return [(round_up(self.layout.max_batch, MIN_BUCKET), True), *buckets]
 
     def run(self, plans: list[StepPlan]) -> list[StepResult]:
         """Dispatches a step for `plans` (one per replica, each with new tokens or bookkeeping
@@ -269,8 +267,8 @@ class ModelRunner:
             step_inputs(
                 plan,
                 num_tokens=shape.num_tokens,
-                max_batch=self.layout.max_batch,
-                max_shares=self.max_shares,
+                layout=self.layout,
+                max_cache_ops=self.max_cache_ops,
                 sampling=lambda r: r.sampling.row_values(),
             )
             for plan in plans
@@ -300,7 +298,7 @@ class ModelRunner:
         for plan, ok_r, used_r in zip(plans, ok, used, strict=True):
             if not bool(ok_r):
                 raise RuntimeError(
-                    "internal error: a step's slot reservation or prefix share failed on the "
+                    "internal error: a step's slot reservation or prefix-cache op failed on the "
                     "device although the host ledger planned it "
                     f"(new_tokens={plan.new_tokens})"
                 )
@@ -315,19 +313,25 @@ class ModelRunner:
         ]
 
     def bookkeeping(self, plans: list[StepPlan]) -> None:
-        """Runs plans without tokens (frees and shares only) on the device."""
+        """Runs plans without tokens (frees and cache ops only) on the device."""
         inputs = [
             step_inputs(
                 plan,
                 num_tokens=0,
-                max_batch=self.layout.max_batch,
-                max_shares=self.max_shares,
+                layout=self.layout,
+                max_cache_ops=self.max_cache_ops,
                 sampling=lambda r: (0.0, 0, 1.0),
             )
             for plan in plans
         ]
         inputs = self._joined(inputs)
-        args = (inputs.free_a, inputs.shares_a, inputs.free_b)
+        args = (
+            inputs.free_a,
+            inputs.release,
+            inputs.park_a,
+            inputs.adopt,
+            inputs.free_b,
+        )
         with sigint_deferred():
             if self.mesh is None:
                 ok, self.state = bookkeeping_step(self.layout, self.state, *args)
@@ -335,7 +339,7 @@ class ModelRunner:
                 step = sharded_bookkeeping_step(self.layout, self.mesh)
                 ok, self.state = step(self.state, *args)
         if not bool(np.all(np.asarray(ok))):
-            raise RuntimeError("internal error: a bookkeeping share failed on the device")
+            raise RuntimeError("internal error: a bookkeeping cache op failed on the device")
 
     def _joined(self, inputs: list):
         """One replica's inputs as they are; with a mesh, every replica's concatenated."""
@@ -376,7 +380,7 @@ class ModelRunner:
     def step_args(self, num_tokens: int) -> tuple:
         """The step's arguments for a token axis, its inputs as shapes."""
         inputs = step_input_shapes(
-            num_tokens=num_tokens, max_batch=self.layout.max_batch, max_shares=self.max_shares
+            num_tokens=num_tokens, layout=self.layout, max_cache_ops=self.max_cache_ops
         )
         if self.mesh is not None:  # every replica's inputs, concatenated
             sharding = _sharding.replica_sharding(self.mesh)

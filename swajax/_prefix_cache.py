@@ -1,144 +1,173 @@
-"""The prefix cache: parked prefixes of earlier sequences that new requests start from.
+"""The prefix cache: blocks of earlier sequences that new requests start from.
 
-An entry is a batch row of the pool (a *cache row*, past the serving rows) that holds, by
-reference, the blocks of the first `k` tokens of some sequence (k a multiple of the page size):
-every block of full layers and, of sliding layers, the window ending at k (`share_prefix`). A
-request whose tokens start with the first j whole blocks of an entry is admitted into a row that
-shares those blocks and prefills from j * page_size on (`longest_shared`: the longest such j of
-any entry whose blocks for it are still held, so a chat turn whose re-encoded history parts from
-the parked one inside the answer still starts from the blocks they share). Entries are found by
-hashes chained over whole blocks (block i's hash covers its tokens and every block before it),
-indexed at every block of every entry, and confirmed token by token.
+The cache names whole blocks of token sequences. A *node* is one block of some sequence: its
+tokens and its parent (the node of the block before it, None for a first block), so a node at
+depth j stands for the first j blocks of every sequence that passes through it. Nodes form a
+tree indexed by (parent, block tokens), exact (no hash can collide). A node's id, in
+[0, layout.cache_nodes), indexes the device's `KVPoolState.cached[g]`: the slot holding that
+block's KV in pool group g, by reference. A node may name a block in some groups and not in
+others: a row holds every block of its full layers but, of its sliding layers, only those not
+yet released out of window.
 
-Three kinds of entries:
-  - "boundary": parked when a request's prefill reaches a block boundary that other queued
-    requests share (the step ends exactly there, so with scratch reuse on the window ending at
-    the boundary is in normal pages, never scratch);
-  - "prompt": parked when a request's prefill ends, its sequence floored to a block, where the
-    row still holds the window ending there: the next turn of a conversation starts with this
+A request whose tokens pass through nodes n_1 .. n_j starts from k = j * page_size tokens when
+every block a row of history k reads is cached (`SlotLedger.can_adopt`: every block of a full
+group, of a sliding group the window ending at k and the rewind pages before it): the longest
+such j (`longest_hit`). Its row then references those slots (`adopt`) and prefills from k on.
+
+Blocks are cached (`park`) at three points of a sequence's life, each the first k tokens of
+the sequence, k a multiple of the page size:
+  - a *boundary*: the prefix a running prefill shares with queued requests, parked when the
+    step ends exactly there (with scratch reuse on, the window ending at the boundary is then
+    in normal pages, never scratch);
+  - the *prompt*, when its prefill ends: the next turn of a conversation starts with this
     prompt even where its re-encoded answer differs from the generated tokens;
-  - "finished": a finished request's whole history (prompt and generated tokens, floored to a
-    block), so the next turn of a conversation, which extends it, starts from it.
+  - a finished request's whole *history* (prompt and generated tokens), so that the next turn,
+    which extends it, starts from it.
+Parking takes no slot (the cache references blocks a row holds), and a block already named is
+not parked twice, so turns of one conversation share their earlier blocks.
 
-Entries are evicted least recently used (a hit or a park counts as use) when admission needs
-their slots or a new entry needs a row; a "prompt" or "finished" entry (speculative) may only
-displace another speculative one, so they never push out prefixes that queued requests want,
-and a new speculative entry drops an older one that it extends (the same conversation's earlier
-turn).
+The cache is bounded by free KV memory only: cached blocks that no row reads stay until
+admission needs their slots; then the least recently used node whose release frees a slot is
+evicted (a park or a hit uses every node of its path, and among equals the deepest goes first,
+so a chain is cut from its tail). A node evicted leaves its descendants unreachable: they are
+evicted first.
 
-Pure Python: the slots an entry holds are counted by the scheduler's `SlotLedger`.
+Pure Python: the blocks nodes name are counted by the scheduler's `SlotLedger`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
-
-# Entries parked for requests that may never come: they displace only each other.
-SPECULATIVE = ("prompt", "finished")
+from collections.abc import Callable, Collection, Sequence
 
 
 @dataclasses.dataclass(eq=False)
-class PrefixEntry:
-    row: int
-    tokens: tuple[int, ...]  # the parked prefix, len(tokens) = k
-    kind: str  # "boundary" or "finished"
+class Node:
+    """One cached block: `tokens` after the blocks of `parent` (None: the first block)."""
+
+    id: int
+    parent: Node | None
+    tokens: tuple[int, ...]
+    depth: int  # blocks from the first to this one
+    children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
     last_used: int = 0
-    hits: int = 0
-
-
-def block_hashes(tokens: Sequence[int], page_size: int, num_blocks: int | None = None) -> list:
-    """Chained hashes of the first whole blocks of `tokens`: [h_1, ..., h_n], h_i covers
-    blocks 0..i-1 (the first i * page_size tokens)."""
-    n = len(tokens) // page_size if num_blocks is None else num_blocks
-    out, h = [], 0
-    for i in range(n):
-        h = hash((h, tuple(tokens[i * page_size : (i + 1) * page_size])))
-        out.append(h)
-    return out
+    reachable: bool = True  # False once an ancestor was evicted
 
 
 class PrefixCache:
-    """Entries by (k, chained hash); LRU by a use counter."""
+    """The node tree of the cached blocks, with LRU eviction order and node ids.
 
-    KINDS = ("boundary", "prompt", "finished")
+    Args:
+      page_size: tokens per block.
+      num_nodes: node ids available (`KVLayout.cache_nodes`).
+    """
 
-    def __init__(self, page_size: int, rows: Sequence[int]):
+    def __init__(self, page_size: int, num_nodes: int):
         self.page_size = page_size
-        self.rows = tuple(rows)
-        self.entries: dict[tuple[int, int], PrefixEntry] = {}
-        self._by_block: dict[tuple[int, int], list[PrefixEntry]] = {}  # every block prefix
+        self.num_nodes = num_nodes
+        self.nodes: dict[int, Node] = {}  # id -> node
+        self._roots: dict[tuple[int, ...], Node] = {}
+        self._free_ids: list[int] = []  # ids given back; ids >= _next_id were never given
+        self._next_id = 0
         self._clock = itertools.count(1)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.nodes)
 
-    def _key(self, tokens: Sequence[int]) -> tuple[int, int]:
-        k = len(tokens)
-        return k, block_hashes(tokens, self.page_size)[-1] if k else 0
+    @property
+    def free_ids(self) -> int:
+        return len(self._free_ids) + self.num_nodes - self._next_id
 
-    def lookup(self, tokens: Sequence[int], limit: int) -> PrefixEntry | None:
-        """The entry of the longest parked prefix of `tokens` with k <= limit, or None."""
-        if not self.entries:
-            return None
-        hashes = block_hashes(tokens, self.page_size, min(len(tokens), limit) // self.page_size)
-        for i in range(len(hashes), 0, -1):
-            entry = self.entries.get((i * self.page_size, hashes[i - 1]))
-            if entry is not None and entry.tokens == tuple(tokens[: i * self.page_size]):
-                return entry
-        return None
+    def _new_id(self) -> int:
+        if self._free_ids:
+            return self._free_ids.pop()
+        self._next_id += 1
+        return self._next_id - 1
 
-    def longest_shared(
-        self, tokens: Sequence[int], limit: int, shareable
-    ) -> tuple[PrefixEntry | None, int]:
-        """(entry, k): the entry sharing the longest block-aligned prefix k <= limit with
-        `tokens` for which `shareable(entry, k)` holds (its blocks for k still held), most
-        recently used first among equals; (None, 0) if none."""
-        if not self.entries:
-            return None, 0
-        n = min(len(tokens), limit) // self.page_size
-        hashes = block_hashes(tokens, self.page_size, n)
-        for i in range(n, 0, -1):
-            k = i * self.page_size
-            found = self._by_block.get((k, hashes[i - 1]), ())
-            for entry in sorted(found, key=lambda e: -e.last_used):
-                if entry.tokens[:k] == tuple(tokens[:k]) and shareable(entry, k):
-                    return entry, k
-        return None, 0
+    def _block(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
 
-    def contains(self, tokens: Sequence[int]) -> bool:
-        entry = self.entries.get(self._key(tokens))
-        return entry is not None and entry.tokens == tuple(tokens)
+    def match(self, tokens: Sequence[int], num_blocks: int) -> list[Node]:
+        """The nodes of the longest path of cached blocks that `tokens` starts with, at most
+        `num_blocks` long (path[i] is block i)."""
+        path, children = [], self._roots
+        for i in range(min(num_blocks, len(tokens) // self.page_size)):
+            node = children.get(self._block(tokens, i))
+            if node is None:
+                break
+            path.append(node)
+            children = node.children
+        return path
 
-    def touch(self, entry: PrefixEntry, hit: bool = False) -> None:
-        entry.last_used = next(self._clock)
-        entry.hits += hit
+    def extend(self, tokens: Sequence[int], num_blocks: int) -> list[Node]:
+        """The path of the first `num_blocks` blocks of `tokens`, with nodes made for those not
+        in the tree yet; shorter when node ids run out."""
+        path = self.match(tokens, num_blocks)
+        parent = path[-1] if path else None
+        for i in range(len(path), num_blocks):
+            if not self.free_ids:
+                break
+            block = self._block(tokens, i)
+            node = Node(self._new_id(), parent, block, i + 1)
+            (parent.children if parent else self._roots)[block] = node
+            self.nodes[node.id] = node
+            path.append(node)
+            parent = node
+        return path
 
-    def free_row(self) -> int | None:
-        used = {e.row for e in self.entries.values()}
-        return next((r for r in self.rows if r not in used), None)
+    def longest_hit(
+        self, tokens: Sequence[int], limit: int, usable: Callable[[int, list[int]], bool]
+    ) -> tuple[list[Node], int]:
+        """(path, k): the longest k <= limit, a multiple of the page size, such that `tokens`
+        passes through the nodes `path` of its first k tokens and `usable(k, node ids)` (every
+        block a row of history k reads is cached); ([], 0) if none."""
+        path = self.match(tokens, limit // self.page_size)
+        ids = [n.id for n in path]
+        for j in range(len(path), 0, -1):
+            if usable(j * self.page_size, ids[:j]):
+                return path[:j], j * self.page_size
+        return [], 0
 
-    def lru(self, kinds=KINDS, protect=()) -> PrefixEntry | None:
-        """The least recently used entry of `kinds` not in `protect`, or None."""
-        candidates = [e for e in self.entries.values() if e.kind in kinds and e not in protect]
-        return min(candidates, key=lambda e: e.last_used, default=None)
+    def touch(self, path: Sequence[Node]) -> None:
+        """A park or a hit uses every node of its path."""
+        stamp = next(self._clock)
+        for node in path:
+            node.last_used = stamp
 
-    def add(self, row: int, tokens: Sequence[int], kind: str) -> PrefixEntry:
-        assert kind in self.KINDS and row in self.rows and len(tokens) % self.page_size == 0
-        entry = PrefixEntry(row, tuple(tokens), kind)
-        self.touch(entry)
-        self.entries[self._key(tokens)] = entry
-        for i, h in enumerate(block_hashes(tokens, self.page_size)):
-            self._by_block.setdefault(((i + 1) * self.page_size, h), []).append(entry)
-        return entry
+    def victim(
+        self, frees: Callable[[int], int] | None = None, protect: Collection[Node] = ()
+    ) -> Node | None:
+        """The node to evict next: unreachable nodes first, then the least recently used, the
+        deepest among equals; only nodes outside `protect` and, with `frees`, whose release
+        frees a slot (frees(node id) > 0); None if there is none."""
+        best, best_key = None, None
+        for node in self.nodes.values():
+            if node in protect or (frees is not None and frees(node.id) == 0):
+                continue
+            key = (node.reachable, node.last_used, -node.depth)
+            if best_key is None or key < best_key:
+                best, best_key = node, key
+        return best
 
-    def remove(self, entry: PrefixEntry) -> None:
-        del self.entries[self._key(entry.tokens)]
-        for i, h in enumerate(block_hashes(entry.tokens, self.page_size)):
-            key = ((i + 1) * self.page_size, h)
-            left = [e for e in self._by_block[key] if e is not entry]
-            if left:
-                self._by_block[key] = left
-            else:
-                del self._by_block[key]
+    def remove(self, node: Node) -> None:
+        """Drops a node whose blocks were released: its id is free again, its descendants are
+        unreachable (evicted first)."""
+        del self.nodes[node.id]
+        self._free_ids.append(node.id)
+        siblings = node.parent.children if node.parent else self._roots
+        if node.reachable and siblings.get(node.tokens) is node:
+            del siblings[node.tokens]
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            child.reachable = False
+            stack.extend(child.children.values())
+
+    def clear(self) -> list[int]:
+        """Drops every node; returns their ids."""
+        ids = list(self.nodes)
+        self.nodes.clear()
+        self._roots.clear()
+        self._free_ids, self._next_id = [], 0
+        return ids

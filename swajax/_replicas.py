@@ -85,7 +85,8 @@ class Replicas:
         return self._full(plans)
 
     def bookkeeping(self) -> list[StepPlan] | None:
-        """The frees of aborted requests and cleared cache rows of every replica, or None."""
+        """The frees of aborted requests and the releases of cleared cached blocks of every
+        replica, or None."""
         plans = [s.bookkeeping_plan() for s in self.schedulers]
         return None if all(p is None for p in plans) else self._full(plans)
 
@@ -121,11 +122,10 @@ class Replicas:
 def make_scheduler(
     layout,
     *,
-    serving_rows: int,
     max_num_tokens: int,
     chunk: int,
     headroom,
-    max_shares: int = 0,
+    max_cache_ops: int = 0,
     batch_invariant: bool = False,
 ) -> Scheduler:
     """The engine's scheduler over a fresh `SlotLedger` of `layout` (also what a host-only
@@ -133,11 +133,10 @@ def make_scheduler(
     rows per step and chunks cut only at multiples of `PREFILL_QUERY_TILE`."""
     return Scheduler(
         SlotLedger(layout),
-        serving_rows=serving_rows,
         max_num_tokens=max_num_tokens,
         chunk=chunk,
         headroom=headroom,
-        max_shares=max_shares,
+        max_cache_ops=max_cache_ops,
         mixed_steps=not batch_invariant,
         cut_align=PREFILL_QUERY_TILE if batch_invariant else 0,
     )

@@ -2,21 +2,22 @@
 
 A step, with the pool state and the previous page tables donated (updated in place):
 
-    free_a -> shares_a -> free_b -> reserve -> page-table gather -> paged forward -> sample
-    -> advance -> shares_b
+    free_a -> release -> park_a -> adopt -> free_b -> reserve -> page-table gather -> paged
+    forward -> sample -> advance -> park_b
 
 (see `swajax._scheduler` for what each does). Its inputs are arrays of static shapes: the
-packed tokens of the step (T = the step's token bucket), per-row token counts, masks and share
-lists, per-row sampling parameters and PRNG key data. A decode row's input token may be the
-token its row drew in the previous step (`prev_rows`), read on the device from that step's
-output, so the host can plan and dispatch a step before reading the previous one.
+packed tokens of the step (T = the step's token bucket), per-row token counts, masks and the
+prefix cache's op lists, per-row sampling parameters and PRNG key data. A decode row's input
+token may be the token its row drew in the previous step (`prev_rows`), read on the device
+from that step's output, so the host can plan and dispatch a step before reading the previous one.
 
 The compiled steps are cached per (model structure, layout, decode, sampling mode, logits) and
 shared by every engine of the same model and layout; a new token bucket is a new shape of the
 same function. `trace_count(layout)` counts traces (the no-recompile tests).
 
-Axis names: T packed tokens, B batch rows (serving + cache rows), R serving rows
-(`KVLayout.serving_rows`), S shares per list, G groups, V vocabulary.
+Axis names: T packed tokens, B batch rows, NB blocks per row, S prefix-cache ops per list
+(parks, adoptions), E cached blocks released per step (`KVLayout.cache_releases`), G groups,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from swajax._sampling import sample, token_keys
 from swajax._scheduler import StepPlan
 from swajax._state import KVPoolState
 from swajax._transforms import (
+    adopt,
     advance,
     free_rows,
+    park,
+    release_cached,
     reserve,
-    share_prefix,
     step_metadata,
     step_page_tables,
 )
@@ -56,9 +59,11 @@ class StepInputs(NamedTuple):
     prev_rows: jax.Array  # i32[T] row whose previous sample is this token, or -1 (literal)
     new_tokens: jax.Array  # i32[B] new tokens per row
     free_a: jax.Array  # bool[B]
-    shares_a: jax.Array  # i32[S, 3] (src, dst, num_tokens); src -1 = none
+    release: jax.Array  # i32[E] cached nodes released; -1 = none
+    park_a: jax.Array  # i32[S, 2 + 2 NB] (row, k, nodes, group masks); row -1 = none
+    adopt: jax.Array  # i32[S, 2 + NB] (row, k, nodes); row -1 = none
     free_b: jax.Array  # bool[B]
-    shares_b: jax.Array  # i32[S, 3]
+    park_b: jax.Array  # i32[S, 2 + 2 NB]
     key_data: jax.Array  # u32[B, 2] each row's request key data
     token_index: jax.Array  # i32[B] index of the token each row draws
     temperature: jax.Array  # f32[B]
@@ -71,31 +76,20 @@ class StepOutput(NamedTuple):
 
     state: KVPoolState
     tables: tuple[jax.Array, ...] | None
-    next_tokens: jax.Array  # i32[R] token drawn per serving row (meaningful for sampling rows)
-    ok: jax.Array  # bool[]: reserve and every real share succeeded
+    next_tokens: jax.Array  # i32[B] token drawn per row (meaningful for sampling rows)
+    ok: jax.Array  # bool[]: reserve and every real park and adoption succeeded
     used: jax.Array  # i32[G] slots held after the reserve (the step's peak)
-    finite: jax.Array  # bool[R]: every logit of the row's last new token is finite
-    logits: jax.Array | None  # f32[R, V] of each serving row's last new token, if asked for
+    finite: jax.Array  # bool[B]: every logit of the row's last new token is finite
+    logits: jax.Array | None  # f32[B, V] of each row's last new token, if asked for
 
 
-def _shares(layout, state, shares):
-    if shares.shape[0] == 0:
-        return jnp.bool_(True), state
-
-    def body(i, carry):
-        ok, state = carry
-        src, dst, k = shares[i, 0], shares[i, 1], shares[i, 2]
-        done, state = share_prefix(layout, state, src, dst, k)
-        return ok & (done | (src < 0)), state
-
-    return jax.lax.fori_loop(0, shares.shape[0], body, (jnp.bool_(True), state))
-
-
-def bookkeeping_before(layout, state, free_a, shares_a, free_b):
-    """free_a -> shares_a -> free_b; returns (ok, state)."""
+def bookkeeping_before(layout, state, free_a, release, park_a, adopt_ops, free_b):
+    """free_a -> release -> park_a -> adopt -> free_b; returns (ok, state)."""
     state = free_rows(layout, state, free_a)
-    ok, state = _shares(layout, state, shares_a)
-    return ok, free_rows(layout, state, free_b)
+    state = release_cached(layout, state, release)
+    parked, state = park(layout, state, park_a)
+    adopted, state = adopt(layout, state, adopt_ops)
+    return parked & adopted, free_rows(layout, state, free_b)
 
 
 def _step(
@@ -112,7 +106,15 @@ def _step(
     sampling_mode: str,
     return_logits: bool,
 ) -> StepOutput:
-    ok, state = bookkeeping_before(layout, state, inputs.free_a, inputs.shares_a, inputs.free_b)
+    ok, state = bookkeeping_before(
+        layout,
+        state,
+        inputs.free_a,
+        inputs.release,
+        inputs.park_a,
+        inputs.adopt,
+        inputs.free_b,
+    )
     reserved, state = reserve(layout, state, inputs.new_tokens)
     ok &= reserved
     used = jnp.asarray([g.num_slots for g in layout.groups], jnp.int32) - state.free_count
@@ -132,8 +134,7 @@ def _step(
         implementation=implementation,
     )
     model = nnx.merge(graphdef, params)
-    # Only serving rows draw tokens: cache rows (prefix parking) are never unembedded.
-    rows = layout.serving_rows
+    rows = layout.max_batch
     last = jnp.clip(meta.q_starts[1 : rows + 1] - 1, 0, num_tokens - 1)  # [R]
     logits, pools = model.forward(
         tokens,
@@ -141,7 +142,7 @@ def _step(
         attention_fn=attention_fn,
         attention_state=state.pools,
         logits_indices=last,
-    )  # [R, V]: only each serving row's last new token is unembedded
+    )  # [B, V]: only each row's last new token is unembedded
     keys = token_keys(inputs.key_data[:rows], inputs.token_index[:rows])
     next_tokens = sample(
         logits,
@@ -153,9 +154,9 @@ def _step(
     )
     # A row whose logits hold NaN or Inf (broken weights, an overflow) is flagged, never
     # silently turned into a token: read with the tokens, no extra host sync.
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [R]
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
-    shared, state = _shares(layout, state, inputs.shares_b)
+    shared, state = park(layout, state, inputs.park_b)
     # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are
     # small and rebuilt every step, so none are carried (the next step gets None again).
     carried = tables if layout.page_table_mode == "per_layer" else None
@@ -260,9 +261,10 @@ def step_function(
 @functools.partial(
     jax.jit, static_argnums=0, donate_argnums=1, compiler_options=STEP_COMPILER_OPTIONS
 )
-def bookkeeping_step(layout, state, free_a, shares_a, free_b):
-    """A step without a forward: only free_a -> shares_a -> free_b (aborts, cache clears)."""
-    return bookkeeping_before(layout, state, free_a, shares_a, free_b)
+def bookkeeping_step(layout, state, free_a, release, park_a, adopt_ops, free_b):
+    """A step without a forward: only free_a -> release -> park_a -> adopt -> free_b (aborts,
+    cache clears)."""
+    return bookkeeping_before(layout, state, free_a, release, park_a, adopt_ops, free_b)
 
 
 @functools.lru_cache(maxsize=16)
@@ -277,19 +279,30 @@ def sharded_bookkeeping_step(layout: KVLayout, mesh):
     )
 
 
-def _share_array(shares, size: int) -> np.ndarray:
-    out = np.full((size, 3), -1, np.int32)
-    out[:, 2] = 0
-    for i, share in enumerate(shares):
-        out[i] = share
+def _park_array(parks, size: int, nb: int) -> np.ndarray:
+    out = np.full((size, 2 + 2 * nb), -1, np.int32)
+    out[:, 2 + nb :] = 0
+    for i, (row, k, nodes, masks) in enumerate(parks):
+        out[i, :2] = row, k
+        out[i, 2 : 2 + len(nodes)] = nodes
+        out[i, 2 + nb : 2 + nb + len(masks)] = masks
     return out
 
 
-def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: int, sampling):
+def _adopt_array(adopts, size: int, nb: int) -> np.ndarray:
+    out = np.full((size, 2 + nb), -1, np.int32)
+    for i, (row, k, nodes) in enumerate(adopts):
+        out[i, :2] = row, k
+        out[i, 2 : 2 + len(nodes)] = nodes
+    return out
+
+
+def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_ops: int, sampling):
     """The `StepInputs` (numpy) of a plan, packed into `num_tokens` token rows.
 
     sampling(request) -> (temperature, top_k, top_p) of a request's rows.
     """
+    max_batch, nb = layout.max_batch, layout.max_blocks
     tokens = np.zeros(num_tokens, np.int32)
     prev_rows = np.full(num_tokens, -1, np.int32)
     new_tokens = np.zeros(max_batch, np.int32)
@@ -306,6 +319,8 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: 
     free_a, free_b = np.zeros(max_batch, bool), np.zeros(max_batch, bool)
     free_a[plan.free_a] = True
     free_b[plan.free_b] = True
+    release = np.full(layout.cache_releases, -1, np.int32)
+    release[: len(plan.release)] = plan.release
     key_data = np.zeros((max_batch, 2), np.uint32)
     token_index = np.zeros(max_batch, np.int32)
     temperature = np.zeros(max_batch, np.float32)
@@ -320,9 +335,11 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: 
         prev_rows,
         new_tokens,
         free_a,
-        _share_array(plan.shares_a, max_shares),
+        release,
+        _park_array(plan.park_a, max_cache_ops, nb),
+        _adopt_array(plan.adopt, max_cache_ops, nb),
         free_b,
-        _share_array(plan.shares_b, max_shares),
+        _park_array(plan.park_b, max_cache_ops, nb),
         key_data,
         token_index,
         temperature,
@@ -331,14 +348,14 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, max_batch: int, max_shares: 
     )
 
 
-def step_input_shapes(*, num_tokens: int, max_batch: int, max_shares: int) -> StepInputs:
+def step_input_shapes(*, num_tokens: int, layout: KVLayout, max_cache_ops: int) -> StepInputs:
     """The `StepInputs` of a step shape as `jax.ShapeDtypeStruct`s (for lowering)."""
     empty = StepPlan(0, {}, {}, {})
     inputs = step_inputs(
         empty,
         num_tokens=num_tokens,
-        max_batch=max_batch,
-        max_shares=max_shares,
+        layout=layout,
+        max_cache_ops=max_cache_ops,
         sampling=lambda r: (0.0, 0, 1.0),
     )
     return StepInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in inputs))

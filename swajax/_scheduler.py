@@ -4,19 +4,22 @@ Pure Python (no JAX): it decides each step from the host's `SlotLedger`, which c
 what the pool transforms will hold, and emits a `StepPlan` that the step runner turns into
 arrays. The plan also says which slot bookkeeping the compiled step does around the forward:
 
-    free_a  -> shares_a -> free_b -> reserve -> forward -> sample -> advance -> shares_b
+    free_a -> release -> park_a -> adopt -> free_b -> reserve -> forward -> sample -> advance
+    -> park_b
 
-free_a frees finished rows that are not parked and evicted cache rows; shares_a parks finished
-histories into cache rows and starts admitted requests from cached prefixes; free_b frees the
-rows parked in shares_a; shares_b parks the prefixes that a step's prefill just reached.
+free_a frees the rows of finished requests that park nothing and of preempted ones; release
+evicts cached blocks; park_a caches the blocks of finished histories; adopt starts admitted
+requests from cached blocks; free_b frees the rows parked in park_a; park_b caches the
+prefixes that the step's prefill rows just reached (`swajax._prefix_cache`).
 
 Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` tokens:
 1. Requests whose last token was scheduled, or that met a stop token, give their rows back.
 2. Running requests in decode take one token each, oldest first; then running requests in
    prefill take their next chunk (up to `chunk` tokens; cut to fit the budget and the slots).
-   A row whose step does not fit makes room: parked prefixes are evicted (least recently
-   used), then the most recently admitted running requests are preempted (their rows freed;
-   they wait at the head of the queue and are recomputed from prompt + generated tokens).
+   A row whose step does not fit makes room: cached blocks that no row reads are evicted
+   (least recently used), then the most recently admitted running requests are preempted
+   (their rows freed; they wait at the head of the queue and are recomputed from prompt +
+   generated tokens).
 3. Waiting requests are admitted in arrival order while rows, budget and slots last: a
    request is admitted when its first step (its chunk, cut to the budget only) fits and
    leaves `headroom` slots free in every group for the running rows to grow, and when the
@@ -27,7 +30,7 @@ Policy of one step (`Scheduler.schedule`), within a budget of `max_num_tokens` t
    long prefills grow into each other, preempting and recomputing each other without end. A request
    starts from the longest cached prefix of its tokens; one that shares a longer
    block-aligned prefix with a request whose prefill is about to park it waits for that
-   prefix.
+   prefix, and a request that shares a prefix with queued requests parks it (`park_at`).
 Allocation is on demand: a request holds what the transforms hold after each step, never a
 reserved lifetime peak.
 
@@ -60,9 +63,10 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from swajax._ledger import SlotLedger
-from swajax._prefix_cache import SPECULATIVE, PrefixCache, PrefixEntry
+from swajax._prefix_cache import Node, PrefixCache
 
 # A request's states: WAITING (queued, no row) -> RUNNING (a row, prefill then decode) ->
 # FINISHED (finish_reason "stop", "length", "abort" or "error"); a running request that must
@@ -113,6 +117,23 @@ class Request:
         return list(self.prompt[start:stop]) + self.output[max(start - n, 0) : max(stop - n, 0)]
 
 
+class Park(NamedTuple):
+    """Row `row`'s block i < k / page_size becomes node nodes[i] in the groups of masks[i]."""
+
+    row: int
+    k: int
+    nodes: list[int]
+    masks: list[int]
+
+
+class Adopt(NamedTuple):
+    """Empty row `row` starts from the cached blocks of history k (block i: node nodes[i])."""
+
+    row: int
+    k: int
+    nodes: list[int]
+
+
 @dataclasses.dataclass
 class StepPlan:
     """One step: per row the new tokens, and the bookkeeping around the forward."""
@@ -122,9 +143,11 @@ class StepPlan:
     tokens: dict[int, list[int | None]]  # row -> token ids (None: the row's previous sample)
     samples: dict[int, tuple[Request, int]]  # row -> (request, index of the token drawn)
     free_a: list[int] = dataclasses.field(default_factory=list)
-    shares_a: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    release: list[int] = dataclasses.field(default_factory=list)  # cached node ids evicted
+    park_a: list[Park] = dataclasses.field(default_factory=list)
+    adopt: list[Adopt] = dataclasses.field(default_factory=list)
     free_b: list[int] = dataclasses.field(default_factory=list)
-    shares_b: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    park_b: list[Park] = dataclasses.field(default_factory=list)
     used: tuple[int, ...] = ()  # slots held per group after the reserve (the step's peak)
     # Planned as a prefill step without decode rows (`Scheduler(mixed_steps=False)`): it runs
     # as one even when each of its rows feeds a single token.
@@ -151,14 +174,13 @@ class Scheduler:
     """Queue, admission, token budget, preemption and prefix parking over a `SlotLedger`.
 
     Args:
-      ledger: the host mirror of the pool's slots (its layout's rows: the serving rows first,
-        then the cache rows).
-      serving_rows: rows that serve requests; rows past them are cache rows.
+      ledger: the host mirror of the pool's slots (one row per batch row of its layout).
       max_num_tokens: token budget of one step.
       chunk: most prompt tokens one row takes in one step.
       headroom: slots per group an admission must leave free (see the module docstring).
-      max_shares: most shares in shares_a and in shares_b of one step (the compiled step's
-        static capacity).
+      max_cache_ops: most rows in each of park_a, adopt and park_b of one step (the compiled
+        step's static capacity; 0: no prefix cache). The prefix cache also needs
+        `layout.cache_nodes` node ids; one step evicts at most `layout.cache_releases`.
       mixed_steps: whether decode rows and prefill rows may share a step (False: each step
         holds one kind; see the module docstring).
       cut_align: without mixed steps, the multiple of tokens at which a prompt's chunk may be
@@ -171,42 +193,42 @@ class Scheduler:
         self,
         ledger: SlotLedger,
         *,
-        serving_rows: int,
         max_num_tokens: int,
         chunk: int,
         headroom: Sequence[int],
-        max_shares: int = 0,
+        max_cache_ops: int = 0,
         mixed_steps: bool = True,
         cut_align: int = 0,
     ):
         layout = ledger.layout
         if not isinstance(cut_align, int) or cut_align < 0:
             raise ValueError(f"cut_align must be an int >= 0, got {cut_align!r}")
-        if not 1 <= serving_rows <= layout.max_batch:
-            raise ValueError(f"serving_rows must be in [1, {layout.max_batch}], got {serving_rows}")
         self.ledger = ledger
         self.page_size = layout.page_size
-        self.serving_rows = serving_rows
+        self.num_rows = layout.max_batch
         self.max_num_tokens = max_num_tokens
         # Without mixed steps a prompt's chunks are whole: they start at multiples of the chunk
         # whatever else runs (a chunk longer than the budget could then never run).
         self.chunk = chunk if mixed_steps else min(chunk, max_num_tokens)
         self.headroom = tuple(headroom)
-        self.max_shares = max_shares
+        self.max_cache_ops = max_cache_ops
+        self.max_releases = layout.cache_releases
         self.mixed_steps = mixed_steps
         # (no cuts unless a whole chunk keeps the next start aligned)
         self.cut_align = cut_align if cut_align and self.chunk % cut_align == 0 else 0
-        cache_rows = range(serving_rows, layout.max_batch)
         self.cache = (
-            PrefixCache(layout.page_size, cache_rows) if cache_rows and max_shares else None
+            PrefixCache(layout.page_size, layout.cache_nodes)
+            if layout.cache_nodes and max_cache_ops
+            else None
         )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.rows: list[Request | None] = [None] * serving_rows
+        self.rows: list[Request | None] = [None] * self.num_rows
         self.requests: dict[int, Request] = {}
         self.counters = SchedulerCounters()
         self._release: list[Request] = []  # finished requests whose rows go back next step
         self._free_next: list[int] = []  # rows freed in the ledger, on the device next step
+        self._release_next: list[int] = []  # cached nodes released likewise
         self._steps = 0
         self._prefill_last = False  # whether the last step planned was a prefill step
 
@@ -221,19 +243,21 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._release or self._free_next)
+        return bool(
+            self.waiting or self.running or self._release or self._free_next or self._release_next
+        )
 
     @property
     def pool_idle(self) -> bool:
         """Whether the pool may be split anew: no running request and no finished one whose
-        rows are still to be released or parked (waiting requests hold no slot; parked
-        prefixes go with the old split)."""
+        rows are still to be released or parked (waiting requests hold no slot; cached
+        blocks go with the old split)."""
         return not self.running and not self._release
 
     def rebind(self, ledger: SlotLedger, headroom: Sequence[int]) -> None:
         """Serves from `ledger`, a fresh pool of the same rows (e.g. split anew), keeping the
-        queue; only while `pool_idle`. Rows still held in the old pool, parked prefixes
-        among them, are forgotten with it."""
+        queue; only while `pool_idle`. Rows and cached blocks still held in the old pool are
+        forgotten with it."""
         if not self.pool_idle:
             raise RuntimeError("rebind needs an idle pool (no running or finishing request)")
         if ledger.layout.max_batch != self.ledger.layout.max_batch:
@@ -245,25 +269,25 @@ class Scheduler:
             r.row = None
         self.ledger, self.headroom = ledger, tuple(headroom)
         if self.cache is not None:
-            self.cache = PrefixCache(self.page_size, self.cache.rows)
-        self.rows = [None] * self.serving_rows
-        self._release, self._free_next = [], []
+            self.cache = PrefixCache(self.page_size, ledger.layout.cache_nodes)
+        self.rows = [None] * self.num_rows
+        self._release, self._free_next, self._release_next = [], [], []
 
     def slot_demand(self) -> tuple[list[int], list[int], bool]:
         """What the "online" split policy observes (`swajax._budget.OnlineRebalance`):
-        (demand, minimum, force), per group. demand: slots held by running rows (parked
-        prefixes left out) + what the queued requests that have a free row would each need
-        alone; minimum: slots held + admission headroom, and at least the next queued request's
-        need; force: that request does not fit the split at all."""
+        (demand, minimum, force), per group. demand: slots held by running rows (blocks only
+        the prefix cache holds left out) + what the queued requests that have a free row would
+        each need alone; minimum: slots held + admission headroom, and at least the next
+        queued request's need; force: that request does not fit the split at all."""
         led = self.ledger
         held = list(led.used())
         demand = list(held)
         if self.cache is not None and len(self.cache):
-            parked = led.exclusive_slots(self.cache.rows)
+            parked = led.cache_only_slots()
             demand = [d - p for d, p in zip(demand, parked, strict=True)]
         minimum = [h + r for h, r in zip(held, self.headroom or (0,) * len(held), strict=True)]
         force = False
-        free_rows = self.serving_rows - len(self.running)
+        free_rows = self.num_rows - len(self.running)
         for i, r in enumerate(itertools.islice(self.waiting, max(free_rows, 1))):
             left = max(r.max_new_tokens - len(r.output), 1)
             need = led.prefill_peak(len(r.prompt) + len(r.output) + left, self.chunk)
@@ -275,8 +299,8 @@ class Scheduler:
         return demand, minimum, force
 
     def resize(self, layout, headroom: Sequence[int]) -> None:
-        """Serves on from the same pool split anew (`SlotLedger.resize`): running requests and
-        parked prefixes keep their rows; admissions keep `headroom` slots free."""
+        """Serves on from the same pool split anew (`SlotLedger.resize`): running requests keep
+        their rows and cached blocks stay cached; admissions keep `headroom` slots free."""
         self.ledger.resize(layout)
         self.headroom = tuple(headroom)
 
@@ -304,18 +328,31 @@ class Scheduler:
             self._free_next += rows
         return rows
 
-    def clear_cache(self) -> list[int]:
-        """Evicts every parked prefix; returns the cache rows to free."""
+    def clear_cache(self) -> None:
+        """Evicts every cached block (released on the device by the next plans)."""
         if self.cache is None:
-            return []
-        return [self._drop(e, self._free_next) for e in list(self.cache.entries.values())]
+            return
+        for node_id in self.cache.clear():
+            self.ledger.release_cached(node_id)
+            self._release_next.append(node_id)
+
+    def _pending(self, plan: StepPlan) -> None:
+        """Moves the rows and nodes released between steps into `plan` (at most
+        `max_releases` nodes; the rest wait for the next plan)."""
+        plan.free_a += self._free_next
+        self._free_next = []
+        n = self.max_releases
+        plan.release += self._release_next[:n]
+        self._release_next = self._release_next[n:]
 
     def bookkeeping_plan(self) -> StepPlan | None:
-        """A plan with only the frees of aborted requests and cleared cache rows, or None."""
-        if not self._free_next:
+        """A plan with only the frees of aborted requests and the releases of cleared cached
+        blocks (some of them, if there are more than one step releases), or None."""
+        if not self._free_next and not self._release_next:
             return None
-        plan = StepPlan(self._steps, {}, {}, {}, free_a=self._free_next, used=self.ledger.used())
-        self._free_next = []
+        plan = StepPlan(self._steps, {}, {}, {})
+        self._pending(plan)
+        plan.used = self.ledger.used()
         return plan
 
     # ------------------------------------------------------------------ tokens back
@@ -429,21 +466,17 @@ class Scheduler:
             return budget // self.cut_align * self.cut_align
         return 0
 
-    def _drop(self, entry: PrefixEntry, frees: list[int]) -> int:
-        """Removes a cache entry and frees its row in the ledger now and on the device with
-        `frees` (a plan's free_a, or `_free_next`); returns the row."""
-        self.cache.remove(entry)
-        self.ledger.free_rows([entry.row])
-        frees.append(entry.row)
-        return entry.row
-
-    def _evict(self, plan: StepPlan, protect=()) -> bool:
-        if self.cache is None:
+    def _evict(self, plan: StepPlan, protect=(), frees_only: bool = True) -> bool:
+        """Evicts the next cached node (`PrefixCache.victim`; with frees_only, one whose
+        release frees a slot), released on the device by this plan; False if none may go."""
+        if self.cache is None or len(plan.release) >= self.max_releases:
             return False
-        victim = self.cache.lru(protect=protect)
+        victim = self.cache.victim(self.ledger.frees_of if frees_only else None, protect)
         if victim is None:
             return False
-        self._drop(victim, plan.free_a)
+        self.ledger.release_cached(victim.id)
+        self.cache.remove(victim)
+        plan.release.append(victim.id)
         self.counters.evictions += 1
         return True
 
@@ -457,58 +490,58 @@ class Scheduler:
         self.counters.preemptions += 1
         self.waiting.appendleft(r)
 
-    def _release_rows(self, plan: StepPlan, protect: set) -> None:
-        """Frees the rows of finished requests, parking their histories where a row is free;
-        the new entries join `protect` (the step's entries that nothing may evict)."""
+    def _cached(self, tokens: Sequence[int], k: int) -> bool:
+        """Whether a request could start from the first k tokens (k whole blocks) of `tokens`
+        from cached blocks alone."""
+        if self.cache is None:
+            return False
+        path = self.cache.match(tokens, k // self.page_size)
+        return len(path) * self.page_size == k and self.ledger.can_adopt(k, [n.id for n in path])
+
+    def _park(
+        self, parks: list[Park], row: int, tokens: Sequence[int], step: _Step, evict=True
+    ) -> None:
+        """Caches the blocks `row` holds of `tokens` (whole blocks; nothing if the plan's list
+        is full): nodes made where needed; with `evict`, node ids freed by evicting unreachable
+        or least recently used nodes if they ran out (else a shorter prefix is parked)."""
+        n = len(tokens) // self.page_size
+        if self.cache is None or n == 0 or len(parks) >= self.max_cache_ops:
+            return
+        have = len(self.cache.match(tokens, n))
+        while evict and self.cache.free_ids < n - have:
+            if not self._evict(step.plan, step.protect, frees_only=False):
+                break
+        path = self.cache.extend(tokens, n)
+        ids = [node.id for node in path]
+        k = len(path) * self.page_size
+        masks = self.ledger.park(row, k, ids)
+        for node in reversed(path):  # made for nothing: the row held none of its blocks
+            if not self.ledger.cached_groups(node.id) and not node.children:
+                self.cache.remove(node)
+        path = [node for node in path if node.id in self.cache.nodes]
+        step.protect.update(path)
+        self.cache.touch(path)
+        if any(masks):
+            parks.append(Park(row, k, ids, masks))
+
+    def _release_rows(self, step: _Step) -> None:
+        """Frees the rows of finished requests, caching their histories' blocks first."""
+        plan = step.plan
         released_a = []
         for r in self._release:
             row, r.row = r.row, None
             self.rows[row] = None
             k = min(self.ledger.history[row], len(r.prompt) + len(r.output))
             k = k // self.page_size * self.page_size
-            target = None
-            # (a sliding window ending at k may reach a block the row released already: then
-            # nothing is parked)
-            shareable = k > 0 and self.ledger.can_share(row, k)
-            if self.cache is not None and shareable and len(plan.shares_a) < self.max_shares:
-                tokens = r.tokens(0, k)
-                if not self.cache.contains(tokens):
-                    # The same conversation's earlier turn (a "finished" entry this history
-                    # extends) gives way to it: its blocks are a prefix of these.
-                    older = self.cache.lookup(tokens, k - 1)
-                    if older is not None and older.kind == "finished" and older not in protect:
-                        self._drop(older, plan.free_a)
-                    target = self.cache.free_row()
-                    if target is None:  # a speculative park displaces only another one
-                        victim = self.cache.lru(kinds=SPECULATIVE, protect=protect)
-                        if victim is not None:
-                            target = self._drop(victim, plan.free_a)
-            if target is not None:
-                ok = self.ledger.share(row, target, k)
-                assert ok, (row, target, k)
-                # Not evicted in this step: the device frees (free_a) before it shares
-                # (shares_a), so an eviction now would free the row before it fills.
-                protect.add(self.cache.add(target, tokens, "finished"))
-                plan.shares_a.append((row, target, k))
+            parked = len(plan.park_a)
+            self._park(plan.park_a, row, r.tokens(0, k), step)
+            if len(plan.park_a) > parked:
                 plan.free_b.append(row)
             else:
                 plan.free_a.append(row)
                 released_a.append(row)
-        rows_b = [row for row in plan.free_b]
-        self.ledger.free_rows(released_a + rows_b)
+        self.ledger.free_rows(released_a + plan.free_b)
         self._release = []
-
-    def _park_target(self, plan: StepPlan, protect: set, taken: set) -> int | None:
-        """An empty cache row not in `taken` (evicting the least recently used entry if
-        needed), or None."""
-        used = {e.row for e in self.cache.entries.values()} | taken
-        row = next((r for r in self.cache.rows if r not in used), None)
-        if row is not None:
-            return row
-        victim = self.cache.lru(protect=protect)
-        if victim is None:
-            return None
-        return self._drop(victim, plan.free_a)
 
     def _plan_park(self, r: Request, start: int) -> None:
         """r.park_at: the longest block-aligned prefix r shares with a waiting request."""
@@ -524,7 +557,7 @@ class Scheduler:
             while n < limit and seq[n] == o[n]:
                 n += 1
             best = max(best, n // self.page_size * self.page_size)
-        if best > start and not self.cache.contains(seq[:best]):
+        if best > start and not self._cached(seq, best):
             r.park_at = best
 
     def _awaits_park(self, r: Request, hit: int) -> bool:
@@ -537,15 +570,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Plans the next step (mutating the ledger as the step will); None if idle."""
-        step = _Step(StepPlan(self._steps, {}, {}, {}, free_a=self._free_next), self)
-        self._free_next = []
+        step = _Step(StepPlan(self._steps, {}, {}, {}), self)
+        self._pending(step.plan)
         for r in self.running:
             if r.num_generated >= r.max_new_tokens:
                 r.done_scheduling = True
         for r in [r for r in self.running if r.done_scheduling]:
             self.running.remove(r)
             self._release.append(r)
-        self._release_rows(step.plan, step.used_sources)
+        self._release_rows(step)
         # 1-2. running requests: decode first, then prefill chunks; make room by preempting
         decode = [r for r in self.running if r.length - r.fed == 1]
         prefill = [r for r in self.running if r.length - r.fed > 1]
@@ -569,22 +602,13 @@ class Scheduler:
             self._run_rows(step, decode)
         plan.prefill_step = prefill_step and bool(plan.new_tokens)
         self._prefill_last = plan.prefill_step
-        if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.shares_a):
+        if not plan.new_tokens and not (plan.free_a or plan.free_b or plan.release):
             return None
-        parks = self._boundary_parks(step)
-        prompts = self._prompt_park_room(step, len(parks))
         ok = self.ledger.reserve(plan.new_tokens)
         assert ok, plan.new_tokens
         plan.used = self.ledger.used()
         self.ledger.advance()
-        for r, target in parks:
-            k = r.park_at
-            ok = self.ledger.share(r.row, target, k)
-            assert ok, (r.row, target, k)
-            self.cache.add(target, r.tokens(0, k), "boundary")
-            plan.shares_b.append((r.row, target, k))
-            r.park_at = 0
-        self._prompt_parks(plan, prompts)
+        self._parks_after(step)
         self._feed(plan)
         self._steps += 1
         return plan
@@ -606,7 +630,7 @@ class Scheduler:
                 if n > 0:
                     step.take(r, n)
                     break
-                if self._evict(plan, step.used_sources):
+                if self._evict(plan, step.protect):
                     continue
                 newest = next(
                     x
@@ -622,37 +646,36 @@ class Scheduler:
         module text), each from the longest cached prefix of its tokens."""
         plan = step.plan
         commitments = self._prefill_commitments(plan)
-        free_rows = [b for b in range(self.serving_rows) if self.rows[b] is None]
-        blocked_rows = set(plan.free_b)  # freed after shares_a: no cached prefix into them
+        free_rows = [b for b in range(self.num_rows) if self.rows[b] is None]
+        blocked_rows = set(plan.free_b)  # freed after adopt: no cached prefix into them
         while self.waiting and step.budget > 0 and free_rows:
             r = self.waiting[0]
             if r.pending:  # its last token is still in flight: recompute once it is read
                 break
-            hit, k = None, 0
+            path, k = [], 0
             if self.cache is not None:
-                hit, k = self.cache.longest_shared(
-                    r.tokens(0, r.length),
-                    r.length - 1,
-                    lambda e, k: self.ledger.can_share(e.row, k),
+                path, k = self.cache.longest_hit(
+                    r.tokens(0, r.length), r.length - 1, self.ledger.can_adopt
                 )
             if self._awaits_park(r, k):
                 break
-            rows = [b for b in free_rows if b not in blocked_rows] if hit else free_rows
-            if not rows or (hit is not None and len(plan.shares_a) >= self.max_shares):
+            rows = [b for b in free_rows if b not in blocked_rows] if path else free_rows
+            if not rows or (path and len(plan.adopt) >= self.max_cache_ops):
                 break
             row = rows[0]
             self.waiting.popleft()
             r.row, r.fed, r.status = row, k, RUNNING
             self.rows[row] = r
-            if hit is not None:
-                ok = self.ledger.share(hit.row, row, k)
-                assert ok, (hit.row, row, k)
+            ids = [node.id for node in path]
+            if path:
+                ok = self.ledger.adopt(row, k, ids)
+                assert ok, (row, k, ids)
             self._plan_park(r, k)
             headroom = self.headroom if self.running else None
             # The first step as the budget allows, never cut to the free slots (a sliver of a
             # prefill would hold slots only to be preempted as its neighbours grow).
             n = self._tokens_within(r, step.budget)  # 0: it waits for the next prefill step
-            protect = step.used_sources | ({hit} if hit else set())
+            protect = step.protect | set(path)
             while n and not self._admits(step.planned, r, n, headroom, commitments):
                 if not self._evict(plan, protect):
                     n = 0
@@ -665,89 +688,34 @@ class Scheduler:
                 break
             free_rows.remove(row)
             self.running.append(r)
-            r.prefix_hit_tokens = 0 if hit is None else k  # of this admission
-            if hit is not None:
-                step.used_sources.add(hit)
-                self.cache.touch(hit, hit=True)
-                plan.shares_a.append((hit.row, row, k))
+            r.prefix_hit_tokens = k  # of this admission
+            if path:
+                step.protect.update(path)
+                self.cache.touch(path)
+                plan.adopt.append(Adopt(row, k, ids))
                 self.counters.prefix_hits += 1
                 self.counters.prefix_tokens += k
             step.take(r, n)
             commitments = self._prefill_commitments(plan)  # later admissions leave it room
 
-    def _boundary_parks(self, step: _Step) -> list[tuple[Request, int]]:
-        """A cache row for each prefill that reaches its park_at this step, unless its prefix
-        is parked already (the cache holds one entry per prefix: e.g. a finished history parked
-        above, or another row's park this step)."""
-        parks = []
-        for row, n in step.plan.new_tokens.items():
-            r = self.rows[row]
-            if r.park_at and r.fed + n == r.park_at and len(parks) < self.max_shares:
-                prefix = r.tokens(0, r.park_at)
-                parked = self.cache.contains(prefix) or any(
-                    other.tokens(0, other.park_at) == prefix for other, _ in parks
-                )
-                taken = {t for _, t in parks}
-                target = None if parked else self._park_target(step.plan, step.used_sources, taken)
-                if target is not None:
-                    parks.append((r, target))
-                else:
-                    r.park_at = 0
-        return parks
-
-    def _prompt_candidates(self, plan: StepPlan) -> list[tuple[Request, int]]:
-        """(r, k) for each row whose prefill ends this step with k = its sequence floored to a
-        block longer than the prefix it started from and not parked yet."""
-        out = []
+    def _parks_after(self, step: _Step) -> None:
+        """park_b: each prefill row that reaches its park_at (a boundary queued requests
+        share) or the end of its prompt this step caches its blocks up to there (the prompt
+        floored to a block, when longer than the prefix it started from)."""
+        if self.cache is None:
+            return
+        plan = step.plan
         for row, n in plan.new_tokens.items():
             r = self.rows[row]
-            if r.fed + n != r.length or not (n > 1 or r.fed == r.prefix_hit_tokens):
-                continue  # not the end of a prefill (a decode row, or chunks still to come)
-            k = r.length // self.page_size * self.page_size
-            if k > r.prefix_hit_tokens and not self.cache.contains(r.tokens(0, k)):
-                out.append((r, k))
-        return out
-
-    def _prompt_park_room(self, step: _Step, boundary_parks: int) -> list[tuple[Request, int]]:
-        """The prompt parks of this step (`_prompt_parks`), with a free cache row for each:
-        least recently used speculative entries ("finished", "prompt") are evicted for them
-        now, before the step's reserve, as every eviction is (free_a)."""
-        if self.cache is None:
-            return []
-        want = self._prompt_candidates(step.plan)
-        want = want[: max(self.max_shares - boundary_parks, 0)]
-        free = len(self.cache.rows) - len(self.cache) - boundary_parks
-        while free < len(want):
-            victim = self.cache.lru(kinds=SPECULATIVE, protect=step.used_sources)
-            if victim is None:
-                want = want[:free]
-                break
-            self._drop(victim, step.plan.free_a)
-            self.counters.evictions += 1
-            free += 1
-        return want
-
-    def _prompt_parks(self, plan: StepPlan, want: list[tuple[Request, int]]) -> None:
-        """Parks each prompt of `want` (after the step: shares_b) where the row still holds
-        every block a row sharing it reads: the next turn of a conversation starts with this
-        prompt even where it re-encodes the answer differently. Older speculative entries the
-        new one extends are dropped (their rows freed on the device next step)."""
-        obsolete = []
-        for r, k in want:
-            tokens = r.tokens(0, k)
-            target = self.cache.free_row()
-            if target is None or self.cache.contains(tokens) or not self.ledger.can_share(r.row, k):
-                continue  # (a boundary park of this step may have parked the same prefix)
-            older = self.cache.lookup(tokens, k - 1)
-            ok = self.ledger.share(r.row, target, k)
-            assert ok, (r.row, target, k)
-            self.cache.add(target, tokens, "prompt")
-            plan.shares_b.append((r.row, target, k))
-            if older is not None and older.kind in SPECULATIVE:
-                obsolete.append(older)
-        for e in obsolete:
-            if e in self.cache.entries.values():  # (two prompts may extend one entry)
-                self._drop(e, self._free_next)
+            if r.park_at and r.fed + n == r.park_at:
+                k, r.park_at = r.park_at, 0
+            elif r.fed + n == r.length and (n > 1 or r.fed == r.prefix_hit_tokens):
+                k = r.length // self.page_size * self.page_size  # its prefill ends now
+                if k <= r.prefix_hit_tokens:
+                    continue
+            else:
+                continue
+            self._park(plan.park_b, row, r.tokens(0, k), step, evict=False)
 
     def _feed(self, plan: StepPlan) -> None:
         """The token ids each row feeds (None: its previous sample, read on the device) and
@@ -765,13 +733,14 @@ class Scheduler:
 
 class _Step:
     """The working state of one `Scheduler.schedule` call: the plan, the slots planned per
-    group, the token budget left, and the cache entries this step reads."""
+    group, the token budget left, and the cached nodes this step parks or adopts (never
+    evicted in it: the device releases before it parks and adopts)."""
 
     def __init__(self, plan: StepPlan, scheduler: Scheduler):
         self.plan, self._scheduler = plan, scheduler
         self.planned = [0] * len(scheduler.ledger.free)
         self.budget = scheduler.max_num_tokens
-        self.used_sources: set[PrefixEntry] = set()
+        self.protect: set[Node] = set()
 
     def take(self, r: Request, n: int) -> None:
         """Row r feeds n tokens this step."""

@@ -79,7 +79,14 @@ def state_shardings(layout: KVLayout, mesh: Mesh) -> KVPoolState:
     "data"; pool roots also over KV heads ("model"); the rest replicated over "model"."""
     replica = NamedSharding(mesh, P(DATA))
     fields = {f.name: replica for f in dataclasses.fields(KVPoolState)}
-    for name in ("free_stack", "refcount", "base_tables", "scratch_range", "scratch_slots"):
+    for name in (
+        "free_stack",
+        "refcount",
+        "base_tables",
+        "scratch_range",
+        "scratch_slots",
+        "cached",
+    ):
         fields[name] = (replica,) * len(layout.groups)
     # [dp * pages, page_size, stored_kv_heads, head_dim]
     fields["pools"] = (NamedSharding(mesh, P(DATA, None, MODEL, None)),) * len(layout.pools)

@@ -2,11 +2,13 @@
 
 Axis names: B batch rows (layout.max_batch), NB blocks per row (layout.max_blocks),
 N slots of a pool group (group.num_slots), S scratch slots per row (group.scratch_slots),
-G pool groups, P pools. Static facts (shapes, converters, page size) live in `KVLayout`.
+G pool groups, P pools, C cached blocks (layout.cache_nodes). Static facts (shapes,
+converters, page size) live in `KVLayout`.
 
 Invariants kept by the transforms (tested):
   - group g's slots are partitioned into free (`free_stack[g][:free_count[g]]`, refcount 0) and
-    held (refcount >= 1: by base-table entries, one reference per entry, or by one row's scratch).
+    held (refcount >= 1: by base-table entries and prefix-cache entries (`cached`), one
+    reference per entry, or by one row's scratch).
   - a row's base-table entry is BAD for unallocated, released and scratch-backed blocks.
   - `history <= cap`; cap > history only between `reserve` and `advance` (a step in flight);
     scratch descriptors are non-empty only then.
@@ -39,6 +41,8 @@ class KVPoolState:
       scratch_range: per group, i32[B, 2] this step's scratch range [begin, end), (BAD, BAD) when
         none.
       scratch_slots: per group, i32[B, S] this step's scratch slot ids, BAD-padded.
+      cached: per group, i32[C] the slot of each block the prefix cache names (the host's node
+        ids index it), BAD where none; each entry holds one reference.
     """
 
     pools: tuple[jax.Array, ...]
@@ -52,6 +56,7 @@ class KVPoolState:
     cap: jax.Array
     scratch_range: tuple[jax.Array, ...]
     scratch_slots: tuple[jax.Array, ...]
+    cached: tuple[jax.Array, ...]
 
     def bookkeeping(self) -> dict:
         """Every field except the pool roots and scales (what the transforms change)."""
@@ -95,6 +100,7 @@ def init_state(layout: KVLayout, *, k_scales=None, v_scales=None) -> KVPoolState
         cap=jnp.zeros((b,), jnp.int32),
         scratch_range=tuple(jnp.full((b, 2), BAD, jnp.int32) for _ in layout.groups),
         scratch_slots=tuple(jnp.full((b, g.scratch_slots), BAD, jnp.int32) for g in layout.groups),
+        cached=tuple(jnp.full((layout.cache_nodes,), BAD, jnp.int32) for _ in layout.groups),
     )
 
 

@@ -8,7 +8,7 @@ The transforms never touch the pool roots (they pass them through); donate the s
 jit boundary of a step so that XLA neither copies a pool root nor keeps two alive.
 
 Axis names: B batch rows, NB blocks per row, N slots of a group, S scratch slots per row,
-G pool groups, L layers of a pool.
+G pool groups, L layers of a pool, C blocks the prefix cache names (`KVPoolState.cached`).
 
 A step of the engine:
   ok, state = reserve(layout, state, new_tokens)   # grow each row h -> cap = h + n
@@ -16,6 +16,9 @@ A step of the engine:
   meta = step_metadata(layout, state)              # q_lens, q_starts, kv_lens (= cap)
   ...attention: layer l uses layer_page_table(layout, tables, l) on state.pools[pool]...
   state = advance(layout, state)                   # history := cap; release stale + scratch
+
+The prefix cache's references: `park` (a row's blocks become cached blocks), `adopt` (an empty
+row starts from cached blocks), `release_cached` (the cache lets blocks go).
 """
 
 from __future__ import annotations
@@ -35,14 +38,17 @@ from swajax._state import KVPoolState
 
 __all__ = [
     "StepMetadata",
+    "adopt",
     "advance",
     "free_rows",
     "free_slots",
     "layer_page_table",
+    "needed_blocks",
+    "park",
+    "release_cached",
     "reserve",
     "resize",
     "row_slots",
-    "share_prefix",
     "slots_needed",
     "step_metadata",
     "step_page_tables",
@@ -309,52 +315,143 @@ def free_rows(layout: KVLayout, state: KVPoolState, rows) -> KVPoolState:
     )
 
 
-def share_prefix(
-    layout: KVLayout, state: KVPoolState, src, dst, num_tokens
-) -> tuple[jax.Array, KVPoolState]:
-    """Gives empty row `dst` the first whole blocks of row `src`'s history, refcounted.
+def _cache_ops(ops, width: int, name: str) -> jax.Array:
+    ops = jnp.asarray(ops)
+    if ops.ndim != 2 or ops.shape[1] != width or not jnp.issubdtype(ops.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape [n, {width}], got {ops.shape}")
+    return ops.astype(jnp.int32)
+
+
+def needed_blocks(layout: KVLayout, group, k) -> jax.Array:
+    """bool[NB]: the blocks a row of history k (a multiple of the page size) reads in `group`:
+    every block below k, less, for a sliding group, stale(k - max_rewind)."""
+    tpb = layout.page_size
+    blk = _blocks(layout)[0]
+    needed = blk < k // tpb
+    if group.is_sliding:
+        start, end = stale_range(k - layout.max_rewind, group.window, group.sink_blocks, tpb, jnp)
+        needed &= ~((blk >= start) & (blk < end))
+    return needed
+
+
+def release_cached(layout: KVLayout, state: KVPoolState, nodes) -> KVPoolState:
+    """Drops the prefix cache's reference to the blocks it names `nodes` (i32[E], distinct;
+    -1 = none) in every group: slots reaching 0 references go back to the free stack."""
+    nodes = jnp.asarray(nodes).astype(jnp.int32).reshape(-1)
+    c = layout.cache_nodes
+    if nodes.shape[0] == 0 or c == 0:
+        return state
+    valid = (nodes >= 0) & (nodes < c)
+    stacks, counts, refcounts, cached = [], [], [], []
+    for g in range(len(layout.groups)):
+        table = state.cached[g]
+        slots = jnp.where(valid, table[jnp.clip(nodes, 0, c - 1)], BAD)
+        stack, count, refcount = _release(
+            state.free_stack[g], state.free_count[g], state.refcount[g], slots, valid
+        )
+        stacks.append(stack)
+        counts.append(count)
+        refcounts.append(refcount)
+        cached.append(table.at[jnp.where(valid, nodes, c)].set(BAD, mode="drop"))
+    return dataclasses.replace(
+        state,
+        free_stack=tuple(stacks),
+        free_count=jnp.stack(counts).astype(jnp.int32),
+        refcount=tuple(refcounts),
+        cached=tuple(cached),
+    )
+
+
+def park(layout: KVLayout, state: KVPoolState, ops) -> tuple[jax.Array, KVPoolState]:
+    """The prefix cache takes a reference to blocks that rows hold.
 
     Args:
-      src, dst: i32[] row indices (different).
-      num_tokens: i32[] prefix length wanted; rounded down to whole blocks and to src's history,
-        so dst's history becomes k = floor(min(num_tokens, history[src]) / tpb) * tpb.
+      ops: i32[S, 2 + 2 * NB], one row per park, applied in order: (row, k, nodes[NB],
+        masks[NB]); row -1 = none. Block i < k / page_size of the row is named node nodes[i]
+        in every group g whose bit is set in masks[i]: `cached[g][node]` becomes the row's slot
+        of that block, which gains a reference.
 
-    Only the blocks dst can still read (outside stale(k - max_rewind)) are shared; each gains a
-    reference. Returns (ok, state); ok is False and the state unchanged when dst is not empty,
-    src == dst, an index is out of range, or a needed block of src was released or
-    scratch-backed (BAD).
+    Returns (ok, state): ok is False, and that park not applied, where a named block is not
+    held by the row (BAD), its node already names a block, k is not a whole number of blocks
+    within the row's history, or an index is out of range.
     """
-    src, dst, want = _scalar(src, "src"), _scalar(dst, "dst"), _scalar(num_tokens, "num_tokens")
-    b, tpb = layout.max_batch, layout.page_size
-    ok = (src >= 0) & (src < b) & (dst >= 0) & (dst < b) & (src != dst) & (want >= 0)
-    src, dst = jnp.clip(src, 0, b - 1), jnp.clip(dst, 0, b - 1)
-    k = (jnp.minimum(want, state.history[src]) // tpb) * tpb
-    ok &= (state.history[dst] == 0) & (state.cap[dst] == 0)
+    nb, b, c = layout.max_blocks, layout.max_batch, layout.cache_nodes
+    ops = _cache_ops(ops, 2 + 2 * nb, "park ops")
+    if ops.shape[0] == 0 or c == 0:
+        return jnp.bool_(True), state
     blk = _blocks(layout)[0]
-    refcounts, bases = [], []
-    for g, group in enumerate(layout.groups):
-        base = state.base_tables[g]
-        ok &= jnp.all(base[dst] == BAD) & jnp.all(state.scratch_slots[g][dst] == BAD)
-        row = base[src]
-        needed = blk < k // tpb
-        if group.is_sliding:
-            start, end = stale_range(
-                k - layout.max_rewind, group.window, group.sink_blocks, tpb, jnp
-            )
-            needed &= ~((blk >= start) & (blk < end))
-        ok &= jnp.all(~needed | (row != BAD))
-        copy = needed & (row != BAD)
-        n = state.refcount[g].shape[0]
-        refcounts.append(state.refcount[g].at[jnp.where(copy, row, n)].add(1, mode="drop"))
-        bases.append(base.at[dst].set(jnp.where(copy, row, BAD)))
-    new = dataclasses.replace(
-        state,
-        refcount=tuple(refcounts),
-        base_tables=tuple(bases),
-        history=state.history.at[dst].set(k),
-        cap=state.cap.at[dst].set(k),
-    )
-    return ok, _select(ok, new, state)
+
+    def body(i, carry):
+        ok, st = carry
+        row, k = ops[i, 0], ops[i, 1]
+        nodes, masks = ops[i, 2 : 2 + nb], ops[i, 2 + nb :]
+        active = row >= 0
+        r = jnp.clip(row, 0, b - 1)
+        good = (row < b) & (k >= 0) & (k % layout.page_size == 0) & (k <= st.history[r])
+        safe = jnp.clip(nodes, 0, c - 1)
+        cached, refcounts = [], []
+        for g in range(len(layout.groups)):
+            sel = active & (((masks >> g) & 1) == 1)  # [NB]
+            slot = st.base_tables[g][r]
+            good &= jnp.all(~sel | ((blk < k // layout.page_size) & (nodes >= 0) & (nodes < c)))
+            good &= jnp.all(~sel | ((slot != BAD) & (st.cached[g][safe] == BAD)))
+            n = st.refcount[g].shape[0]
+            cached.append(st.cached[g].at[jnp.where(sel, nodes, c)].set(slot, mode="drop"))
+            refcounts.append(st.refcount[g].at[jnp.where(sel, slot, n)].add(1, mode="drop"))
+        new = dataclasses.replace(st, cached=tuple(cached), refcount=tuple(refcounts))
+        good |= ~active
+        return ok & good, _select(good & active, new, st)
+
+    return jax.lax.fori_loop(0, ops.shape[0], body, (jnp.bool_(True), state))
+
+
+def adopt(layout: KVLayout, state: KVPoolState, ops) -> tuple[jax.Array, KVPoolState]:
+    """Empty rows start from cached blocks.
+
+    Args:
+      ops: i32[S, 2 + NB], one row per adoption, applied in order: (row, k, nodes[NB]); row
+        -1 = none. The row's history becomes k (a multiple of the page size) and, in every
+        group, its base table the cached slots of the blocks it reads at k
+        (`needed_blocks`: block i is node nodes[i]), each gaining a reference.
+
+    Returns (ok, state): ok is False, and that adoption not applied, where the row is not
+    empty, a needed block is not cached, k is not a whole number of blocks within
+    max_context, or an index is out of range.
+    """
+    nb, b, c = layout.max_blocks, layout.max_batch, layout.cache_nodes
+    ops = _cache_ops(ops, 2 + nb, "adopt ops")
+    if ops.shape[0] == 0 or c == 0:
+        return jnp.bool_(True), state
+
+    def body(i, carry):
+        ok, st = carry
+        row, k, nodes = ops[i, 0], ops[i, 1], ops[i, 2:]
+        active = row >= 0
+        r = jnp.clip(row, 0, b - 1)
+        good = (row < b) & (k >= 0) & (k % layout.page_size == 0) & (k <= layout.max_context)
+        good &= (st.history[r] == 0) & (st.cap[r] == 0)
+        safe = jnp.clip(nodes, 0, c - 1)
+        bases, refcounts = [], []
+        for g, group in enumerate(layout.groups):
+            base = st.base_tables[g]
+            good &= jnp.all(base[r] == BAD) & jnp.all(st.scratch_slots[g][r] == BAD)
+            needed = needed_blocks(layout, group, k)
+            slot = st.cached[g][safe]
+            good &= jnp.all(~needed | ((nodes >= 0) & (nodes < c) & (slot != BAD)))
+            n = st.refcount[g].shape[0]
+            refcounts.append(st.refcount[g].at[jnp.where(needed, slot, n)].add(1, mode="drop"))
+            bases.append(base.at[r].set(jnp.where(needed, slot, BAD)))
+        new = dataclasses.replace(
+            st,
+            base_tables=tuple(bases),
+            refcount=tuple(refcounts),
+            history=st.history.at[r].set(k),
+            cap=st.cap.at[r].set(k),
+        )
+        good |= ~active
+        return ok & good, _select(good & active, new, st)
+
+    return jax.lax.fori_loop(0, ops.shape[0], body, (jnp.bool_(True), state))
 
 
 def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array, KVPoolState]:
@@ -362,22 +459,24 @@ def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array,
     counts per group): the one transform that moves pool pages.
 
     Every group's held slots (refcount >= 1) are compacted, in id order, to ids 0 .. held - 1
-    of the new group; their pages move with them (pool root rows slot * scale + j), base tables
-    and refcounts are renamed, the new ids held .. N' - 1 are free. Rows keep their history,
-    so running requests and parked prefixes carry on reading the same KV. Only between steps
-    (cap == history, no scratch slot held). Returns (ok, state of `new`); ok is False where a
-    group holds more slots than `new` has or a step is in flight (then the returned state is
-    not to be used). Page tables gathered for `old` are stale: start from `initial_tables`.
+    of the new group; their pages move with them (pool root rows slot * scale + j), base
+    tables, refcounts and the prefix cache's `cached` are renamed, the new ids held .. N' - 1
+    are free. Rows keep their history, so running requests and cached blocks carry on reading
+    the same KV. Only between steps (cap == history, no scratch slot held). Returns (ok, state
+    of `new`); ok is False where a group holds more slots than `new` has or a step is in
+    flight (then the returned state is not to be used). Page tables gathered for `old` are
+    stale: start from `initial_tables`.
     """
     if (
         len(old.groups) != len(new.groups)
         or len(old.pools) != len(new.pools)
         or old.max_batch != new.max_batch
         or old.max_blocks != new.max_blocks
+        or old.cache_nodes != new.cache_nodes
     ):
         raise ValueError("resize needs two layouts that differ only in their slot counts")
     ok = jnp.all(state.cap == state.history)
-    stacks, counts, refcounts, bases, perms = [], [], [], [], []
+    stacks, counts, refcounts, bases, perms, cached = [], [], [], [], [], []
     for g, (og, ng) in enumerate(zip(old.groups, new.groups, strict=True)):
         n_old, n_new = og.num_slots, ng.num_slots
         held = state.refcount[g] > 0  # [N]
@@ -390,6 +489,8 @@ def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array,
         perms.append(src.astype(jnp.int32))
         base = state.base_tables[g]
         bases.append(jnp.where(base == BAD, BAD, rename[jnp.clip(base, 0, n_old - 1)]))
+        table = state.cached[g]
+        cached.append(jnp.where(table == BAD, BAD, rename[jnp.clip(table, 0, n_old - 1)]))
         ids = jnp.arange(n_new, dtype=jnp.int32)
         refcounts.append(jnp.where(ids < num_held, state.refcount[g][src], 0).astype(jnp.int32))
         # free ids num_held .. N' - 1, the lowest on top (popped first), as `init_state` orders
@@ -408,6 +509,7 @@ def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array,
         free_count=jnp.stack(counts).astype(jnp.int32),
         refcount=tuple(refcounts),
         base_tables=tuple(bases),
+        cached=tuple(cached),
     )
 
 

@@ -5,7 +5,7 @@
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
         [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas] \\
-        [--no-prefix-caching] [--prefix-cache-rows N]
+        [--no-prefix-caching]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
     python -m swajax serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] \
         [--max-waiting N] [engine options of generate]
@@ -223,12 +223,6 @@ def _engine_options(q):
         action="store_true",
         help="turn automatic prefix caching off (on by default)",
     )
-    q.add_argument(
-        "--prefix-cache-rows",
-        type=_positive_int,
-        default=None,
-        help="most parked prefixes at once (default: 4 x --max-batch)",
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -334,8 +328,7 @@ def run(argv=None) -> GenerateSummary | dict:
 
 
 def _engine_config(args, cfg: KVCacheConfig) -> EngineConfig:
-    """The EngineConfig of `generate`'s and `serve`'s engine options (ValueError for a
-    --prefix-cache-rows with --no-prefix-caching)."""
+    """The EngineConfig of `generate`'s and `serve`'s engine options."""
     return EngineConfig(
         kv_cache=cfg,
         max_context=getattr(args, "max_context", None),
@@ -344,7 +337,6 @@ def _engine_config(args, cfg: KVCacheConfig) -> EngineConfig:
         prefill_chunk_size=args.prefill_chunk,
         implementation=args.implementation,
         enable_prefix_caching=not args.no_prefix_caching,
-        prefix_cache_rows=args.prefix_cache_rows,
     )
 
 

@@ -183,7 +183,7 @@ def test_no_recompile_within_a_grid_cell_and_layouts_reused():
 
 
 def test_a_re_split_drops_parked_prefixes():
-    """Parked prefixes do not hold the split (with prefix caching on by default they would
+    """Cached blocks do not hold the split (with prefix caching on by default they would
     hold it for good): a re-split while no request runs drops them with the old pool, and the
     engine then serves the same tokens from the new split."""
     model = make_model("gemma4")
@@ -193,14 +193,13 @@ def test_a_re_split_drops_parked_prefixes():
         cfg,
         max_context=128,
         max_batch=2,
-        prefix_cache_rows=2,
         prefill_chunk_size=CHUNK,
         max_num_tokens=CHUNK,
         min_prefill_bucket=CHUNK,
         implementation="reference",
     )
     long, short = prompts_of([100], seed=5), prompts_of([10], seed=6)
-    eng.run(long, NEW)  # its prompt and history stay parked in the cache rows
+    eng.run(long, NEW)  # its prompt and history stay cached
     again, stats = eng.run(long, NEW)
     assert stats.prefix_tokens >= 96  # served from the cache while the split holds
     slots = eng.num_slots

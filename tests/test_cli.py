@@ -237,26 +237,6 @@ def test_generate_rejects_out_of_range_integers(tmp_path, capsys, no_model, opti
     assert re.search(match, err), err
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
-def test_prefix_cache_rows_without_prefix_caching_is_rejected_before_loading(
-    tmp_path, capsys, no_model, command
-):
-    """Prefix caching is on by default; --no-prefix-caching with --prefix-cache-rows is a
-    contradiction, named before any model loads (exit status 2); 0 rows is out of range."""
-    flags = ["--no-prefix-caching", "--prefix-cache-rows", "4"]
-    if command == "generate":
-        prompts = _write_lines(tmp_path / "p.jsonl", LINES)
-        argv = _generate_argv(prompts, tmp_path / "out.jsonl", *flags)
-    else:
-        argv = ["serve", "--model", "preset:gemma4_e2b", *flags]
-    assert cli.main(argv) == 2
-    assert "prefix_cache_rows=4 needs enable_prefix_caching=True" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv[: -len(flags)], "--prefix-cache-rows", "0"])
-    assert exit_info.value.code == 2
-    assert "--prefix-cache-rows: must be an int >= 1, got 0" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("name", ["input_len", "chunk", "max_context", "max_batch"])
 def test_memory_plan_rejects_zero(name):
     config = cli.model_config(str(TINY))

@@ -7,6 +7,7 @@ with the scheduler, the pool or the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -161,7 +162,7 @@ def test_on_demand_allocation_serves_many_rows_without_scratch():
 
 def test_multi_turn_prefix_hits_with_scratch():
     model = make_model("gemma4")
-    engine = engine_for(model, prefix_cache_rows=2, max_batch=2)
+    engine = engine_for(model, max_batch=2)
     turn = prompts_of([40], seed=4)[0]
     hits = []
     for k in range(3):
@@ -173,10 +174,39 @@ def test_multi_turn_prefix_hits_with_scratch():
     assert all_free(engine)
 
 
+def test_cached_prefixes_outnumber_the_rows_and_unwritten_pages_are_never_read():
+    """10 x max_batch distinct prompts are served, then each again with more tokens: every
+    repeat starts from its cached blocks (the cache is bounded by free KV memory, not by a
+    count of rows), and its tokens are dense greedy's although every page of the pool started
+    as NaN (a cached block read before it was written, or after its slot was reused, would
+    poison the logits). Then a quota for two requests: admissions evict cached blocks, least
+    recently used first, and no request is lost."""
+    model = make_model("gemma4")
+    engine = engine_for(model, max_batch=2, prefill_chunk_size=32)
+    engine.state = dataclasses.replace(
+        engine.state, pools=tuple(jnp.full_like(p, jnp.nan) for p in engine.state.pools)
+    )
+    first = prompts_of([36] * 20, seed=30)
+    engine.run(first, 2)
+    again = [p + q for p, q in zip(first, prompts_of([3] * 20, seed=31), strict=True)]
+    out, stats = engine.run(again, 3)
+    assert out == dense_greedy(model, again, 3)
+    assert (stats.prefix_hits, stats.prefix_tokens) == (20, 20 * 32)
+    assert all_free(engine)
+    quota, ratio = quota_for(model, 2, 40, 3)
+    tight = engine_for(model, quota=quota, ratio=ratio, max_batch=2, prefill_chunk_size=32)
+    tight.run(first[:10], 2)
+    last_first = again[:10][::-1]  # the most recently cached first
+    out, stats = tight.run(last_first, 3)
+    assert out == dense_greedy(model, last_first, 3)
+    assert tight.scheduler.counters.evictions > 0 and stats.prefix_hits >= 1
+    assert all_free(tight)
+
+
 def test_round_robin_chat_sessions_reuse_their_histories():
     """4 chat sessions x 4 turns, round robin, scratch on, the default prefix cache: each
-    turn starts from the session's last history (a finished history replaces the entry of the
-    turn it extends, so one session's park never evicts another's). At least 80 % of the
+    turn starts from the session's last history (its blocks extend those of the turn before,
+    cached once). At least 80 % of the
     reusable tokens (every earlier turn) come from the cache, and the tokens equal those of an
     engine with prefix caching off."""
     cached, plain, hit, reusable = chat_rounds(sessions=4, turns=4, new=4, seed=20)
@@ -215,7 +245,7 @@ def test_next_turn_starts_from_the_prompt_when_the_answer_re_encodes_differently
     """A chat client re-encodes the model's answer into the next turn; with real tokenizers it
     can differ from the generated ids (here: each answer's first token replaced). The history
     parked at the end then shares only up to the previous prompt, which is 40 tokens back
-    (past the window of 16 and its two rewind pages): the "prompt" entry parked when the
+    (past the window of 16 and its two rewind pages): the window cached when the prompt's
     prefill ended serves it. Scratch on; the tokens equal an uncached engine's."""
     cached, plain, hit, reusable = chat_rounds(
         sessions=3,
@@ -307,22 +337,17 @@ def test_sampling_params_validated(kwargs, match):
 
 
 def test_engine_config_prefix_caching_defaults_and_errors():
-    """On by default: 4 cache rows per serving row and two pages past each window; off: no
-    cache row and the user's max_rewind; contradictions are ValueErrors naming the fields."""
+    """On by default: two pages past each window; off: the user's max_rewind; a bad value is
+    a ValueError naming the field."""
     kv = swajax.KVCacheConfig(page_size=16)
     on = swajax.EngineConfig(kv_cache=kv, max_batch=3).resolved(256)
-    assert on.enable_prefix_caching and on.prefix_cache_rows == 12
+    assert on.enable_prefix_caching
     assert on.kv_cache.max_rewind == 32 and kv.max_rewind == 0
-    assert (
-        swajax.EngineConfig(kv_cache=kv, prefix_cache_rows=5).resolved(256).prefix_cache_rows == 5
-    )
     off = swajax.EngineConfig(kv_cache=kv, max_batch=3, enable_prefix_caching=False).resolved(256)
-    assert off.prefix_cache_rows == 0 and off.kv_cache == kv
+    assert off.kv_cache == kv
     assert off.resolved(256) == off and on.resolved(256) == on  # resolving is idempotent
-    with pytest.raises(ValueError, match="prefix_cache_rows=4 needs enable_prefix_caching=True"):
-        swajax.EngineConfig(enable_prefix_caching=False, prefix_cache_rows=4)
-    with pytest.raises(ValueError, match="enable_prefix_caching=False to turn prefix caching off"):
-        swajax.EngineConfig(prefix_cache_rows=0)
+    with pytest.raises(ValueError, match="unknown engine settings"):
+        swajax.EngineConfig.of(prefix_cache_rows=4)
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
         swajax.EngineConfig(enable_prefix_caching=1)
 

@@ -453,7 +453,6 @@ def test_cached_prefix_reuse_with_scratch_on_and_off(family):
             prefill_chunk_size=32,  # > window: the first chunk of the prefix is scratch-backed
             implementation="reference",
             min_prefill_bucket=32,
-            prefix_cache_rows=1,
         )
         outputs, stats = engine.run(prompts, 5, collect_logits=True)
         assert outputs == expected

@@ -2,9 +2,11 @@
 
 The scheduler decides every step from the ledger alone, so the ledger must agree with the
 transforms exactly: free slots per group and slots per row after every reserve, advance,
-free_rows and share_prefix, and the same verdict when a reserve does not fit.
+free_rows and the prefix cache's park / adopt / release, and the same verdict when a reserve
+or an adoption does not fit.
 """
 
+import dataclasses
 import functools
 
 import hypothesis.strategies as st
@@ -26,8 +28,13 @@ def _ops(layout):
         jit(swajax.pool.reserve),
         jit(swajax.pool.advance),
         jit(swajax.pool.free_rows),
-        jit(swajax.pool.share_prefix),
+        jit(swajax.pool.park),
+        jit(swajax.pool.adopt),
+        jit(swajax.pool.release_cached),
     )
+
+
+NODES = 12  # the prefix cache's node ids in these schedules
 
 
 def _agree(layout, ledger, state):
@@ -36,31 +43,64 @@ def _agree(layout, ledger, state):
     for b in range(layout.max_batch):
         assert tuple(per_row[:, b]) == ledger.row_slots(b), b
     assert list(np.asarray(state.history)) == ledger.history
+    for g, cached in enumerate(state.cached):
+        assert set(np.flatnonzero(np.asarray(cached) != -1).tolist()) == set(ledger.cached[g])
 
 
 @settings(max_examples=15, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1), num_steps=st.integers(1, 14))
 def test_ledger_matches_transforms(layout, seed, num_steps):
+    """Random reserve / advance / free / park / adopt / release schedules: the ledger and the
+    device agree on free slots, slots per row, histories and cached blocks after every op,
+    and on the verdict of every reserve and adoption."""
+    layout = dataclasses.replace(layout, cache_nodes=NODES)
     rng = np.random.default_rng(seed)
-    reserve, advance, free_rows, share = _ops(layout)
+    reserve, advance, free_rows, park, adopt, release = _ops(layout)
     state = swajax.pool.init_state(layout)
     ledger = SlotLedger(layout)
-    b = layout.max_batch
+    b, tpb, nb = layout.max_batch, layout.page_size, layout.max_blocks
+
+    def path(n):
+        return rng.choice(NODES, min(n, NODES), replace=False).tolist() if n else []
+
+    parked = []
     for _ in range(num_steps):
-        op = rng.choice(["step", "step", "step", "free", "share"])
+        op = rng.choice(["step", "step", "step", "free", "park", "park", "adopt", "release"])
         if op == "free":
             rows = rng.random(b) < 0.4
             state = free_rows(layout, state, jnp.asarray(rows))
             ledger.free_rows(np.flatnonzero(rows).tolist())
-        elif op == "share" and b > 1:
-            src, dst = rng.choice(b, 2, replace=False).tolist()
-            k = int(rng.integers(0, layout.max_context))
-            empty = ledger.is_empty(dst)
-            feasible = ledger.can_share(src, k)  # what the scheduler asks before a hit
-            ok, state = share(layout, state, jnp.int32(src), jnp.int32(dst), jnp.int32(k))
-            assert bool(ok) == ledger.share(src, dst, k)
-            if empty:
-                assert bool(ok) == feasible
+        elif op == "park":
+            row = int(rng.integers(b))
+            k = int(rng.integers(0, min(ledger.history[row], NODES * tpb) // tpb + 1)) * tpb
+            nodes = path(k // tpb)
+            masks = ledger.park(row, k, nodes)
+            ops = np.full((1, 2 + 2 * nb), -1, np.int32)
+            ops[0, :2], ops[0, 2 + nb :] = (row, k), 0
+            ops[0, 2 : 2 + len(nodes)], ops[0, 2 + nb : 2 + nb + len(masks)] = nodes, masks
+            ok, state = park(layout, state, jnp.asarray(ops))
+            assert bool(ok)
+            parked.append((k, nodes))
+        elif op == "adopt":
+            row = int(rng.integers(b))
+            if parked and rng.random() < 0.7:  # a parked path (a hit is then likely)
+                k, nodes = parked[int(rng.integers(len(parked)))]
+                k = int(rng.integers(0, k // tpb + 1)) * tpb
+            else:
+                k = int(rng.integers(0, min(NODES, layout.max_context // tpb) + 1)) * tpb
+                nodes = path(k // tpb)
+            nodes = nodes[: k // tpb]
+            ops = np.full((1, 2 + nb), -1, np.int32)
+            ops[0, :2] = row, k
+            ops[0, 2 : 2 + len(nodes)] = nodes
+            feasible = ledger.is_empty(row) and ledger.can_adopt(k, nodes)
+            ok, state = adopt(layout, state, jnp.asarray(ops))
+            assert bool(ok) == ledger.adopt(row, k, nodes) == feasible
+        elif op == "release":
+            nodes = path(int(rng.integers(0, NODES)))
+            state = release(layout, state, jnp.asarray(nodes + [-1], jnp.int32))
+            for node in nodes:
+                ledger.release_cached(node)
         else:
             room = layout.max_context - np.asarray(state.history)
             n = np.minimum(rng.integers(0, 2 * layout.max_chunk, b), room + (rng.random(b) < 0.1))

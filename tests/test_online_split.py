@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_adaptive_split import NEW, engine, lengths, quota_for_three
 from test_generate import dense_greedy, make_model, prompts_of
+from test_pool_sim import share_prefix
 from test_pool_transforms import small_layout
 
 import swajax
@@ -35,7 +36,7 @@ def _random_pool(layout, seed):
             state = pool.advance(layout, new)
         if step == 2:  # row 2 shares row 0's prefix, then row 1 goes
             state = pool.free_rows(layout, state, np.arange(layout.max_batch) == 2)
-            _, state = pool.share_prefix(layout, state, 0, 2, 48)
+            _, state = share_prefix(layout, state, 0, 2, 48)
         if step == 4:
             state = pool.free_rows(layout, state, np.arange(layout.max_batch) == 1)
     roots = []

@@ -17,6 +17,7 @@ import dataclasses
 import chex
 import hypothesis.strategies as st
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
@@ -191,6 +192,32 @@ def run_step(layout, state, mem, content, new_tokens, rng, ids, stats):
     return state
 
 
+def share_prefix(layout, state, src, dst, want):
+    """Row dst starts from row src's first k = floor(min(want, history) / tpb) * tpb tokens
+    through the prefix cache's transforms: src's blocks below k are parked as nodes 0 ..
+    k / tpb - 1 (a cache of max_blocks nodes beside the state), dst adopts them, the cache
+    releases them. Returns (ok, state); the state is unchanged where dst could not adopt."""
+    nb, tpb = layout.max_blocks, layout.page_size
+    cached = dataclasses.replace(layout, cache_nodes=nb)
+    with_cache = dataclasses.replace(
+        state, cached=tuple(jnp.full((nb,), -1, jnp.int32) for _ in layout.groups)
+    )
+    k = min(int(want), int(state.history[src])) // tpb * tpb
+    n = k // tpb
+    park = np.full((1, 2 + 2 * nb), -1, np.int32)
+    park[0, :2], park[0, 2 + nb :] = (src, k), 0
+    park[0, 2 : 2 + n] = np.arange(n)
+    for g, base in enumerate(state.base_tables):
+        park[0, 2 + nb : 2 + nb + n] |= (np.asarray(base)[src, :n] != -1).astype(np.int32) << g
+    adopt = np.full((1, 2 + nb), -1, np.int32)
+    adopt[0, :2], adopt[0, 2 : 2 + n] = (dst, k), np.arange(n)
+    ok, new = swajax.pool.park(cached, with_cache, park)
+    assert bool(ok)
+    ok, new = swajax.pool.adopt(cached, new, adopt)
+    new = swajax.pool.release_cached(cached, new, np.arange(nb, dtype=np.int32))
+    return ok, dataclasses.replace(new, cached=state.cached)
+
+
 @settings(max_examples=25, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1), num_steps=st.integers(1, 12))
 def test_pool_matches_memory_oracle(layout, seed, num_steps):
@@ -212,7 +239,7 @@ def test_pool_matches_memory_oracle(layout, seed, num_steps):
         if op < 0.2 and layout.max_batch > 1:
             src, dst = rng.choice(layout.max_batch, 2, replace=False)
             want = int(rng.integers(0, h[src] + 1))
-            ok, new = swajax.pool.share_prefix(layout, state, src, dst, want)
+            ok, new = share_prefix(layout, state, src, dst, want)
             if ok:
                 k = int(new.history[dst])
                 assert k == (min(want, h[src]) // layout.page_size) * layout.page_size

@@ -1,5 +1,8 @@
-"""Transforms on hand-computed cases: reserve/advance/free, exhaustion, prefix sharing,
-queries, jit without retracing, and pool roots donated without a copy."""
+"""Transforms on hand-computed cases: reserve/advance/free, exhaustion, the prefix cache's
+park / adopt / release, queries, jit without retracing, and pool roots donated without a
+copy."""
+
+import dataclasses
 
 import chex
 import jax
@@ -109,34 +112,82 @@ def test_exhaustion_leaves_state_unchanged():
     assert np.asarray(state.free_count).tolist() == [6, 9]
 
 
-def test_share_prefix_refcounts():
-    layout = small_layout(scratch=False, max_batch=3)
+def cached_layout(nodes=8, **kw):
+    return dataclasses.replace(small_layout(**kw), cache_nodes=nodes)
+
+
+def park_ops(layout, *parks):
+    """i32[S, 2 + 2 NB] of (row, k, nodes, masks) parks."""
+    nb = layout.max_blocks
+    out = np.full((len(parks), 2 + 2 * nb), -1, np.int32)
+    out[:, 2 + nb :] = 0
+    for i, (row, k, nodes, masks) in enumerate(parks):
+        out[i, :2] = row, k
+        out[i, 2 : 2 + len(nodes)] = nodes
+        out[i, 2 + nb : 2 + nb + len(masks)] = masks
+    return out
+
+
+def adopt_ops(layout, *adopts):
+    nb = layout.max_blocks
+    out = np.full((len(adopts), 2 + nb), -1, np.int32)
+    for i, (row, k, nodes) in enumerate(adopts):
+        out[i, :2] = row, k
+        out[i, 2 : 2 + len(nodes)] = nodes
+    return out
+
+
+def test_park_adopt_release_refcounts():
+    """By hand: a row parks its blocks, another row adopts them, the cache releases them."""
+    layout = cached_layout(scratch=False, max_batch=3)
     state = swajax.pool.init_state(layout)
+    assert [c.shape for c in state.cached] == [(8,), (8,)]
     ok, state = swajax.pool.reserve(layout, state, np.array([70, 0, 0], np.int32))
     state = swajax.pool.advance(layout, state)
     # row 0: history 70, sliding stale(70) = [0, floor(31/16) = 1): block 0 released
     assert np.asarray(state.base_tables[0])[0, :6].tolist() == [BAD, 1, 2, 3, 4, BAD]
-    ok, state2 = swajax.pool.share_prefix(layout, state, 0, 1, 70)
+    # park k = 64 as nodes 3, 4, 5, 6: block 0 in the full group only (bit 1)
+    park = park_ops(layout, (0, 64, [3, 4, 5, 6], [2, 3, 3, 3]))
+    ok, parked = swajax.pool.park(layout, state, park)
     assert ok
-    # k = 64: dst needs sliding blocks outside stale(64) = [0, 1) -> 1..3, full 0..3
-    assert int(state2.history[1]) == 64 and int(state2.cap[1]) == 64
-    assert np.asarray(state2.base_tables[0])[1, :5].tolist() == [BAD, 1, 2, 3, BAD]
-    assert np.asarray(state2.base_tables[1])[1, :5].tolist() == [0, 1, 2, 3, BAD]
-    assert np.asarray(state2.refcount[1])[:5].tolist() == [2, 2, 2, 2, 1]
-    assert np.asarray(state2.free_count).tolist() == np.asarray(state.free_count).tolist()
-    # dst not empty -> refused, unchanged
-    ok, state3 = swajax.pool.share_prefix(layout, state2, 0, 1, 64)
-    assert not ok and leaves_equal(state3, state2)
-    # a prefix whose needed sliding block was released cannot be shared: row 0 moves on
-    ok, state4 = swajax.pool.reserve(layout, state2, np.array([100, 0, 0], np.int32))
-    state4 = swajax.pool.advance(layout, state4)  # history 170: stale = [0, 8)
-    ok, state5 = swajax.pool.share_prefix(layout, state4, 0, 2, 96)  # needs sliding blocks 4, 5
-    assert not ok and leaves_equal(state5, state4)
-    # freeing the source keeps the shared blocks for row 1
-    state6 = swajax.pool.free_rows(layout, state4, np.array([True, False, False]))
-    assert np.asarray(state6.refcount[1])[:4].tolist() == [1, 1, 1, 1]
-    state6 = swajax.pool.free_rows(layout, state6, np.array([False, True, False]))
-    assert np.asarray(state6.free_count).tolist() == [40, 40]
+    assert np.asarray(parked.cached[0]).tolist() == [BAD] * 4 + [1, 2, 3, BAD]
+    assert np.asarray(parked.cached[1]).tolist() == [BAD] * 3 + [0, 1, 2, 3, BAD]
+    assert np.asarray(parked.refcount[1])[:5].tolist() == [2, 2, 2, 2, 1]
+    assert np.asarray(parked.refcount[0])[:5].tolist() == [0, 2, 2, 2, 1]
+    assert np.asarray(parked.free_count).tolist() == np.asarray(state.free_count).tolist()
+    # a block the row does not hold, or a node that names a block already: refused, unchanged
+    for bad in ((0, 64, [0, 1, 2, 7], [3, 3, 3, 3]), (0, 32, [3, 1], [2, 0])):
+        ok, same = swajax.pool.park(layout, parked, park_ops(layout, bad))
+        assert not ok and leaves_equal(same, parked)
+    ok, same = swajax.pool.park(layout, parked, park_ops(layout, (0, 80, list(range(5)), [2] * 5)))
+    assert not ok and leaves_equal(same, parked)  # k beyond the row's history
+    # row 1 adopts k = 64: sliding blocks outside stale(64) = [0, 1) -> 1..3, full 0..3
+    ok, adopted = swajax.pool.adopt(layout, parked, adopt_ops(layout, (1, 64, [3, 4, 5, 6])))
+    assert ok and int(adopted.history[1]) == 64 and int(adopted.cap[1]) == 64
+    assert np.asarray(adopted.base_tables[0])[1, :5].tolist() == [BAD, 1, 2, 3, BAD]
+    assert np.asarray(adopted.base_tables[1])[1, :5].tolist() == [0, 1, 2, 3, BAD]
+    assert np.asarray(adopted.refcount[1])[:5].tolist() == [3, 3, 3, 3, 1]
+    # a row that is not empty, or a needed block not cached: refused, unchanged
+    ok, same = swajax.pool.adopt(layout, adopted, adopt_ops(layout, (1, 64, [3, 4, 5, 6])))
+    assert not ok and leaves_equal(same, adopted)
+    released = swajax.pool.release_cached(layout, adopted, np.array([4, -1], np.int32))
+    assert int(released.cached[0][4]) == BAD and int(released.cached[1][4]) == BAD
+    ok, same = swajax.pool.adopt(layout, released, adopt_ops(layout, (2, 64, [3, 4, 5, 6])))
+    assert not ok and leaves_equal(same, released)
+    # the cache lets go: rows 0 and 1 keep their references; freeing them returns every slot
+    state = swajax.pool.release_cached(layout, released, np.array([3, 5, 6], np.int32))
+    assert all((np.asarray(c) == BAD).all() for c in state.cached)
+    assert np.asarray(state.refcount[1])[:5].tolist() == [2, 2, 2, 2, 1]
+    state = swajax.pool.free_rows(layout, state, np.array([True, True, False]))
+    assert np.asarray(state.free_count).tolist() == [40, 40]
+    # a cached block outlives its row and is freed by its release
+    ok, state = swajax.pool.reserve(layout, state, np.array([32, 0, 0], np.int32))
+    state = swajax.pool.advance(layout, state)
+    ok, state = swajax.pool.park(layout, state, park_ops(layout, (0, 32, [0, 1], [3, 3])))
+    state = swajax.pool.free_rows(layout, state, np.array([True, False, False]))
+    assert ok and np.asarray(state.free_count).tolist() == [38, 38]
+    state = swajax.pool.release_cached(layout, state, np.array([1, 0], np.int32))
+    assert np.asarray(state.free_count).tolist() == [40, 40]
 
 
 def _count_traces(fn):
@@ -150,24 +201,30 @@ def _count_traces(fn):
 
 
 def test_transforms_do_not_retrace():
-    layout = small_layout()
+    layout = cached_layout()
     state = swajax.pool.init_state(layout)
     reserve, n_reserve = _count_traces(swajax.pool.reserve)
     advance, n_advance = _count_traces(swajax.pool.advance)
     tables, n_tables = _count_traces(swajax.pool.step_page_tables)
     free, n_free = _count_traces(swajax.pool.free_rows)
-    share, n_share = _count_traces(swajax.pool.share_prefix)
+    park, n_park = _count_traces(swajax.pool.park)
+    adopt, n_adopt = _count_traces(swajax.pool.adopt)
+    release, n_release = _count_traces(swajax.pool.release_cached)
     reserve, advance = jax.jit(reserve, static_argnums=0), jax.jit(advance, static_argnums=0)
     tables, free = jax.jit(tables, static_argnums=0), jax.jit(free, static_argnums=0)
-    share = jax.jit(share, static_argnums=0)
+    park, adopt = jax.jit(park, static_argnums=0), jax.jit(adopt, static_argnums=0)
+    release = jax.jit(release, static_argnums=0)
     for n, rows, src in (([128, 3], [False, True], 0), ([1, 100], [True, False], 1)):
         ok, state = reserve(layout, state, jnp.array(n, jnp.int32))
         assert ok
         tables(layout, state)
         state = advance(layout, state)
-        share(layout, state, jnp.int32(src), jnp.int32(1 - src), jnp.int32(32))
+        _, state = park(layout, state, park_ops(layout, (src, 32, [0, 1], [2, 2])))
+        adopt(layout, state, adopt_ops(layout, (1 - src, 32, [0, 1])))
+        state = release(layout, state, jnp.array([0, 1], jnp.int32))
         state = free(layout, state, jnp.array(rows))
-    assert (n_reserve[0], n_advance[0], n_tables[0], n_free[0], n_share[0]) == (1, 1, 1, 1, 1)
+    counts = (n_reserve, n_advance, n_tables, n_free, n_park, n_adopt, n_release)
+    assert [c[0] for c in counts] == [1] * 7
 
 
 def test_pool_roots_donated_without_copy():
@@ -203,8 +260,10 @@ def test_argument_validation():
         swajax.pool.reserve(layout, state, np.array([1.0, 2.0]))
     with pytest.raises(TypeError, match="rows must be bool"):
         swajax.pool.free_rows(layout, state, np.array([1, 0]))
-    with pytest.raises(ValueError, match="src must be an integer scalar"):
-        swajax.pool.share_prefix(layout, state, np.array([0]), 1, 5)
+    with pytest.raises(ValueError, match=r"park ops must be an integer array of shape \[n, 34\]"):
+        swajax.pool.park(layout, state, np.zeros((1, 3), np.int32))
+    with pytest.raises(ValueError, match=r"adopt ops must be an integer array of shape \[n, 18\]"):
+        swajax.pool.adopt(layout, state, np.zeros((1, 18), np.float32))
     with pytest.raises(ValueError, match=r"layer must be in \[0, 4\)"):
         layout.layer_table_index(4)
 
@@ -225,16 +284,19 @@ def test_rollback_keeps_rewind_tokens():
     assert ok and np.asarray(state.base_tables[0])[0, :9].tolist() == base  # reused, no new slot
 
 
-def test_prefix_shared_with_scratch_at_a_step_boundary():
-    layout = small_layout(max_batch=2)
+def test_cached_prefix_with_scratch_at_a_step_boundary():
+    layout = cached_layout(nodes=16, max_batch=2)
     state = swajax.pool.init_state(layout)
     ok, state = swajax.pool.reserve(layout, state, np.array([128, 0], np.int32))
     assert np.asarray(state.scratch_range[0])[0].tolist() == [0, 5]  # blocks 0..4 scratch
     state = swajax.pool.advance(layout, state)
-    # the window ending at 128 (blocks 5..7) is in normal pages: shareable
-    ok, shared = swajax.pool.share_prefix(layout, state, 0, 1, 128)
+    # the window ending at 128 (blocks 5..7) is in normal pages: cached in both groups
+    masks = [2] * 5 + [3] * 3
+    ok, state = swajax.pool.park(layout, state, park_ops(layout, (0, 128, range(8), masks)))
+    assert ok
+    ok, shared = swajax.pool.adopt(layout, state, adopt_ops(layout, (1, 128, range(8))))
     assert ok and int(shared.history[1]) == 128
     assert np.asarray(shared.base_tables[0])[1, :9].tolist() == [BAD] * 5 + [0, 1, 2, BAD]
-    # a boundary inside a scratch range is not: its window was scratch (BAD)
-    ok, same = swajax.pool.share_prefix(layout, state, 0, 1, 96)
+    # a boundary inside the scratch range is not: its window was scratch (never cached)
+    ok, same = swajax.pool.adopt(layout, state, adopt_ops(layout, (1, 96, range(6))))
     assert not ok and leaves_equal(same, state)

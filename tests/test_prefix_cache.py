@@ -1,42 +1,63 @@
-"""The prefix cache's index (`swajax._prefix_cache`): entries found by their whole tokens
-(`lookup`) and by any whole-block prefix they share with a request (`longest_shared`), the
-shareability callback honoured, removal leaving no trace. Pure Python, hand-built cases."""
-
-from __future__ import annotations
+"""`PrefixCache`: the node tree of cached blocks, its lookups, ids and eviction order."""
 
 from swajax._prefix_cache import PrefixCache
 
 PAGE = 4
 
 
-def test_longest_shared_finds_a_partial_block_prefix_of_an_entry():
-    cache = PrefixCache(PAGE, rows=[8, 9])
-    history = list(range(100, 114))  # 14 tokens: 3 whole blocks parked
-    entry = cache.add(8, history[:12], "finished")
-    # a later turn re-encodes the history differently from token 9 on
-    request = history[:9] + [1, 2, 3, 4, 5, 6, 7]
-    assert cache.lookup(request, len(request) - 1) is None  # not the whole entry
-    assert cache.longest_shared(request, len(request) - 1, lambda e, k: True) == (entry, 8)
-    # the limit (a request keeps at least one token to prefill) and the callback both bound k
-    assert cache.longest_shared(request, 7, lambda e, k: True) == (entry, 4)
-    assert cache.longest_shared(request, 15, lambda e, k: k <= 4) == (entry, 4)
-    assert cache.longest_shared(request, 15, lambda e, k: False) == (None, 0)
-    assert cache.longest_shared([0] + request, 15, lambda e, k: True) == (None, 0)
+def seq(*blocks):
+    """Tokens of whole blocks, block b = (b, b, b, b)."""
+    return [b for b in blocks for _ in range(PAGE)]
 
 
-def test_the_longest_and_then_the_most_recent_entry_wins_and_removal_unindexes():
-    cache = PrefixCache(PAGE, rows=[8, 9, 10])
-    a = cache.add(8, [1, 2, 3, 4, 5, 6, 7, 8], "finished")
-    b = cache.add(9, [1, 2, 3, 4, 9, 9, 9, 9], "finished")
-    c = cache.add(10, [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13], "boundary")
-    yes = lambda e, k: True  # noqa: E731
-    assert cache.longest_shared([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 0], 12, yes) == (c, 12)
-    assert cache.longest_shared([1, 2, 3, 4, 5, 6, 7, 8, 0], 8, yes)[1] == 8
-    cache.touch(b)
-    assert cache.longest_shared([1, 2, 3, 4, 0], 4, yes) == (b, 4)  # most recently used
-    cache.touch(a)
-    assert cache.longest_shared([1, 2, 3, 4, 0], 4, yes) == (a, 4)
-    for e in (a, b, c):
-        cache.remove(e)
-    assert cache.longest_shared([1, 2, 3, 4, 5, 6, 7, 8, 0], 8, yes) == (None, 0)
-    assert not cache._by_block and not cache.entries
+def test_extend_match_and_longest_hit_follow_exact_blocks():
+    cache = PrefixCache(PAGE, num_nodes=8)
+    path = cache.extend(seq(1, 2, 3), 3)
+    assert [n.depth for n in path] == [1, 2, 3] and len(cache) == 3 and cache.free_ids == 5
+    assert cache.extend(seq(1, 2, 3), 3) == path  # nothing new
+    # a sequence that parts inside block 2 shares block 1 only
+    assert cache.match(seq(1, 2) + [3, 3, 3, 9], 3) == path[:2]
+    assert cache.match(seq(1, 9, 3), 3) == path[:1]
+    assert cache.match(seq(1, 2, 3, 4), 2) == path[:2]  # at most num_blocks
+    other = cache.extend(seq(1, 5), 2)
+    assert other[0] is path[0] and other[1] is not path[1] and len(cache) == 4
+    ids = {n.id for n in [*path, *other]}
+    assert ids == {0, 1, 2, 3}
+    # the longest usable depth below the limit
+    usable = {4, 8}  # e.g. a sliding window cached only at these depths
+    hit, k = cache.longest_hit(seq(1, 2, 3, 4), 15, lambda k, ids: k in usable)
+    assert (k, hit) == (8, path[:2])
+    assert cache.longest_hit(seq(1, 2, 3), 3, lambda k, ids: True) == ([], 0)
+
+
+def test_ids_run_out_and_come_back():
+    cache = PrefixCache(PAGE, num_nodes=2)
+    assert len(cache.extend(seq(1, 2, 3), 3)) == 2  # shorter: no id left
+    a, b = cache.match(seq(1, 2), 2)
+    cache.remove(b)
+    assert cache.free_ids == 1 and cache.match(seq(1, 2), 2) == [a]
+    assert sorted(cache.clear()) == [a.id] and cache.free_ids == 2 and not cache.match(seq(1), 1)
+
+
+def test_victim_is_unreachable_then_least_recently_used_then_deepest():
+    cache = PrefixCache(PAGE, num_nodes=8)
+    x = cache.extend(seq(1, 2, 3), 3)
+    y = cache.extend(seq(7, 8), 2)
+    cache.touch(x)
+    cache.touch(y)  # y used last
+    assert cache.victim() is x[2]  # least recently used, deepest among equals
+    cache.touch(x[:1])  # a hit at depth 1 leaves the deeper nodes as old as they were
+    assert cache.victim() is x[2]
+    cache.touch(x)
+    assert cache.victim() is y[1]
+    # frees: only nodes whose release frees a slot; protect: never these
+    assert cache.victim(frees=lambda i: i == x[1].id) is x[1]
+    assert cache.victim(protect={y[1], x[2], x[1]}) is y[0]
+    # evicting x[1] leaves x[2] unreachable: it goes first, and no lookup finds it
+    cache.remove(x[1])
+    assert not x[2].reachable and cache.victim() is x[2]
+    assert cache.match(seq(1, 2, 3), 3) == x[:1]
+    again = cache.extend(seq(1, 2, 3), 3)
+    assert again[0] is x[0] and again[2] is not x[2]
+    cache.remove(x[2])  # an unreachable node leaves its re-made twin alone
+    assert cache.match(seq(1, 2, 3), 3) == again

@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from swajax._scheduler import FINISHED, Request, Scheduler, StepPlan
+from swajax._scheduler import FINISHED, Adopt, Park, Request, Scheduler, StepPlan
 
 PAGE = 4
 
@@ -24,17 +24,21 @@ PAGE = 4
 class _Layout:
     page_size: int
     max_batch: int
+    cache_nodes: int = 0
+    cache_releases: int = 0
 
 
 class ToyLedger:
-    """One pool group; a row holds ceil(history / page_size) blocks; shares copy blocks."""
+    """One pool group; a row holds ceil(history / page_size) blocks (block offset -> id); the
+    prefix cache names blocks by node (node -> id), one reference each."""
 
-    def __init__(self, num_slots: int, rows: int):
-        self.layout = _Layout(PAGE, rows)
+    def __init__(self, num_slots: int, rows: int, cache_nodes: int = 0):
+        self.layout = _Layout(PAGE, rows, cache_nodes, 8 if cache_nodes else 0)
         self.num_slots = num_slots
         self.free = [num_slots]
         self.history = [0] * rows
-        self.blocks = [set() for _ in range(rows)]  # block ids (shared ids count once)
+        self.blocks = [{} for _ in range(rows)]  # offset -> block id (shared ids count once)
+        self.cached: dict[int, int] = {}  # node -> block id
         self.refs: dict = {}
         self._next = 0
 
@@ -63,8 +67,8 @@ class ToyLedger:
         if need is None or need[0] > self.free[0]:
             return False
         for b, n in new_tokens.items():
-            for _ in range(math.ceil((self.history[b] + n) / PAGE) - len(self.blocks[b])):
-                self.blocks[b].add(self._next)
+            for o in range(len(self.blocks[b]), math.ceil((self.history[b] + n) / PAGE)):
+                self.blocks[b][o] = self._next
                 self.refs[self._next] = 1
                 self._next += 1
             self.history[b] += n
@@ -74,28 +78,54 @@ class ToyLedger:
     def advance(self):
         pass
 
+    def _drop(self, block_id):
+        self.refs[block_id] -= 1
+        if self.refs[block_id] == 0:
+            self.free[0] += 1
+
     def free_rows(self, rows):
         for b in rows:
-            for i in self.blocks[b]:
-                self.refs[i] -= 1
-                if self.refs[i] == 0:
-                    self.free[0] += 1
-            self.blocks[b] = set()
+            for i in self.blocks[b].values():
+                self._drop(i)
+            self.blocks[b] = {}
             self.history[b] = 0
 
-    def can_share(self, src, k):  # every block of a row is kept (no sliding layers)
-        return 0 <= k
+    def park(self, row, k, nodes):
+        masks = []
+        for o in range(k // PAGE):
+            block_id = self.blocks[row].get(o)
+            if nodes[o] < 0 or block_id is None or nodes[o] in self.cached:
+                masks.append(0)
+                continue
+            self.cached[nodes[o]] = block_id
+            self.refs[block_id] += 1
+            masks.append(1)
+        return masks
 
-    def share(self, src, dst, k):
-        if not self.is_empty(dst):
+    def can_adopt(self, k, nodes):  # every block of a row is kept (no sliding layers)
+        return all(o < len(nodes) and nodes[o] in self.cached for o in range(k // PAGE))
+
+    def adopt(self, row, k, nodes):
+        if not self.is_empty(row) or not self.can_adopt(k, nodes):
             return False
-        k = min(k, self.history[src]) // PAGE * PAGE
-        ids = sorted(self.blocks[src])[: k // PAGE]
-        for i in ids:
-            self.refs[i] += 1
-        self.blocks[dst] = set(ids)
-        self.history[dst] = k
+        for o in range(k // PAGE):
+            self.blocks[row][o] = self.cached[nodes[o]]
+            self.refs[self.cached[nodes[o]]] += 1
+        self.history[row] = k
         return True
+
+    def release_cached(self, node):
+        if node in self.cached:
+            self._drop(self.cached.pop(node))
+
+    def cached_groups(self, node):
+        return int(node in self.cached)
+
+    def frees_of(self, node):
+        return int(node in self.cached and self.refs[self.cached[node]] == 1)
+
+    def cache_only_slots(self):
+        return (sum(1 for i in self.cached.values() if self.refs[i] == 1),)
 
 
 def make(
@@ -104,18 +134,17 @@ def make(
     budget=64,
     chunk=32,
     headroom=0,
-    cache_rows=0,
+    cache=False,
     mixed_steps=True,
     cut_align=0,
 ):
-    ledger = ToyLedger(num_slots, rows + cache_rows)
+    ledger = ToyLedger(num_slots, rows, cache_nodes=64 if cache else 0)
     return Scheduler(
         ledger,
-        serving_rows=rows,
         max_num_tokens=budget,
         chunk=chunk,
         headroom=(headroom,),
-        max_shares=4 if cache_rows else 0,
+        max_cache_ops=4 if cache else 0,
         mixed_steps=mixed_steps,
         cut_align=cut_align,
     )
@@ -251,7 +280,7 @@ def test_pipelined_decode_feeds_the_previous_sample():
 
 
 def test_prefix_cache_parks_finished_history_and_next_turn_hits():
-    s = make(budget=64, cache_rows=1)
+    s = make(budget=64, cache=True)
     s.add(req(0, 10, 7))  # history 10 + 6 = 16 tokens = 4 blocks when it finishes
     drive(s)
     turn2 = Request(
@@ -262,7 +291,7 @@ def test_prefix_cache_parks_finished_history_and_next_turn_hits():
     s.add(turn2)
     plans = drive(s)
     assert s.counters.prefix_hits == 1 and s.counters.prefix_tokens == 16
-    assert plans[0].shares_a and plans[0].new_tokens[0] == 18 - 16
+    assert plans[0].adopt == [Adopt(0, 16, [0, 1, 2, 3])] and plans[0].new_tokens[0] == 18 - 16
 
 
 @settings(max_examples=200, deadline=None)
@@ -274,19 +303,19 @@ def test_prefix_cache_parks_finished_history_and_next_turn_hits():
     slots=st.integers(13, 40),
     rows=st.integers(1, 5),
     pipelined=st.booleans(),
-    cache_rows=st.sampled_from([0, 0, 2]),
+    cache=st.sampled_from([False, False, True]),
 )
 def test_every_request_finishes_and_no_slot_leaks(
-    lengths, new, budget, chunk, slots, rows, pipelined, cache_rows
+    lengths, new, budget, chunk, slots, rows, pipelined, cache
 ):
-    s = make(num_slots=slots, rows=rows, budget=budget, chunk=chunk, cache_rows=cache_rows)
+    s = make(num_slots=slots, rows=rows, budget=budget, chunk=chunk, cache=cache)
     for i, n in enumerate(lengths):
         s.add(req(i, n, new[i]))
     drive(s, pipelined=pipelined)
     for i in range(len(lengths)):
         r = s.requests[i]
         assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
-    s.ledger.free_rows(range(rows, rows + cache_rows))  # parked prefixes
+    s.clear_cache()
     assert s.ledger.free == [slots]
 
 
@@ -456,18 +485,18 @@ def test_a_prefill_step_keeps_free_the_next_slots_of_the_decode_rows():
     slots=st.integers(13, 40),
     rows=st.integers(1, 5),
     pipelined=st.booleans(),
-    cache_rows=st.sampled_from([0, 0, 2]),
+    cache=st.sampled_from([False, False, True]),
     cut_align=st.sampled_from([0, 1, 2, 4, 8]),
 )
 def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
-    lengths, new, arrive, budget, chunk, slots, rows, pipelined, cache_rows, cut_align
+    lengths, new, arrive, budget, chunk, slots, rows, pipelined, cache, cut_align
 ):
     s = make(
         num_slots=slots,
         rows=rows,
         budget=budget,
         chunk=chunk,
-        cache_rows=cache_rows,
+        cache=cache,
         mixed_steps=False,
         cut_align=cut_align,
     )
@@ -476,21 +505,21 @@ def test_without_mixed_steps_every_request_finishes_and_no_slot_leaks(
         arrivals.setdefault(arrive[i], []).append(req(i, n, new[i]))
     steps = drive_steps(s, arrivals, pipelined=pipelined)
     check_one_kind_per_step(steps)
-    if not cache_rows:  # (a prefix hit or a park boundary moves the chunks of a prompt)
+    if not cache:  # (a prefix hit or a park boundary moves the chunks of a prompt)
         check_chunks(s, steps)
     for i in range(len(lengths)):
         r = s.requests[i]
         assert r.status == FINISHED and r.output == [1000 + k for k in range(new[i])], i
-    s.ledger.free_rows(range(rows, rows + cache_rows))  # parked prefixes
+    s.clear_cache()
     assert s.ledger.free == [slots]
 
 
 def test_a_prefix_is_parked_once():
     """Request 0's prompt (20 tokens) is parked when its prefill ends; in the next step request
     1's prefill reaches its boundary park at the same 20 tokens (which request 2 shares) and
-    request 0 finishes with the same 20 tokens of history: neither parks it again, so no cache
-    row holds blocks that no entry accounts for, and request 2 starts from the parked prompt."""
-    s = make(rows=2, budget=64, chunk=8, cache_rows=2)
+    request 0 finishes with the same 20 tokens of history: neither parks those blocks again,
+    and request 2 starts from the cached prompt. Every later turn's blocks are cached once."""
+    s = make(rows=2, budget=64, chunk=8, cache=True)
     prefix = tuple(range(1, 21))
     s.add(Request(id=0, prompt=prefix, max_new_tokens=1))
     steps = drive_steps(
@@ -502,55 +531,37 @@ def test_a_prefix_is_parked_once():
             ]
         },
     )
-    assert steps[2].plan.shares_b == [(0, 2, 20)]  # the prompt, as its prefill ends
+    blocks = [0, 1, 2, 3, 4]
+    assert steps[2].plan.park_b == [Park(0, 20, blocks, [1] * 5)]  # the prompt, at its end
     both = steps[3].plan
-    assert both.new_tokens[1] == 4 and not both.shares_b  # the boundary park: parked already
-    assert both.free_a == [0] and both.shares_a == [(2, 0, 20)]  # history not parked again
+    assert both.new_tokens[1] == 4 and not both.park_b  # the boundary park: cached already
+    assert both.free_a == [0] and not both.park_a  # nor is the history parked again
+    assert both.adopt == [Adopt(0, 20, blocks)]
     assert s.counters.prefix_hits == 1 and s.counters.prefix_tokens == 20
     assert all(r.status == FINISHED for r in s.requests.values())
-    held = {row for row in (2, 3) if not s.ledger.is_empty(row)}
-    assert held == {e.row for e in s.cache.entries.values()}
+    # cached: the 5 shared blocks, request 1's next 2 (28 of 31 tokens), request 2's next 1
+    assert len(s.cache) == 8 and s.ledger.free == [100 - 8]
+    assert all(s.ledger.is_empty(row) for row in range(2))
     s.clear_cache()
-    assert s.ledger.free == [100]
+    assert s.ledger.free == [100] and not s.cache.nodes
 
 
-def test_serving_rows_validated():
-    with pytest.raises(ValueError, match="serving_rows"):
-        Scheduler(ToyLedger(4, 2), serving_rows=3, max_num_tokens=8, chunk=8, headroom=(0,))
-
-
-def test_without_mixed_steps_a_chunk_is_never_cut_by_the_budget():
-    """Budget 20, chunks of 8: the default schedule gives a third prompt the 4 tokens left
-    (its chunks then fall at 4, 12, ...); without mixed steps it waits for the next step, and
-    every prompt's chunks start at multiples of 8."""
-    prompts = [req(i, 24, 2) for i in range(3)]
-    mixed = make(rows=4, budget=20, chunk=8)
-    for r in prompts:
-        mixed.add(r)
-    assert mixed.schedule().new_tokens == {0: 8, 1: 8, 2: 4}
-    s = make(rows=4, budget=20, chunk=8, mixed_steps=False)
-    steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
-    assert steps[0].plan.new_tokens == {0: 8, 1: 8}
-    check_whole_chunks(s, steps)
-    assert all(r.status == FINISHED for r in s.requests.values())
-
-
-def test_without_mixed_steps_a_chunk_is_cut_only_at_the_alignment():
-    """Budget 20, chunks of 8. cut_align 4: the third prompt takes the 4 tokens left, and its
-    later chunks start at multiples of 4. cut_align 8: 4 tokens are not a multiple,
-    so it waits. cut_align 3 does not divide the chunk (a whole chunk would leave the next
-    start unaligned): chunks stay whole. cut_align must be an int >= 0."""
-    s = make(rows=4, budget=20, chunk=8, mixed_steps=False, cut_align=4)
-    steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
-    assert steps[0].plan.new_tokens == {0: 8, 1: 8, 2: 4}
-    starts = [step.before[2][0] for step in steps if 2 in step.prefill]
-    assert starts[:2] == [0, 4] and all(x % 4 == 0 for x in starts)
-    check_aligned_chunks(s, steps)
-    assert all(r.status == FINISHED for r in s.requests.values())
-    for align in (8, 3):
-        s = make(rows=4, budget=20, chunk=8, mixed_steps=False, cut_align=align)
-        steps = drive_steps(s, {0: [req(i, 24, 2) for i in range(3)]})
-        assert steps[0].plan.new_tokens == {0: 8, 1: 8}
-        check_chunks(s, steps)
-    with pytest.raises(ValueError, match="cut_align must be an int >= 0, got -1"):
-        make(mixed_steps=False, cut_align=-1)
+def test_cached_blocks_are_bounded_by_free_slots_only():
+    """Many more cached prefixes than rows: every finished history stays cached while slots
+    are free, each repeat of a prompt starts from its blocks, and when admission needs slots
+    the least recently used blocks go first."""
+    s = make(num_slots=40, rows=1, budget=64, cache=True)
+    prompts = [tuple(range(100 * i + 1, 100 * i + 9)) for i in range(8)]  # 2 blocks each
+    for i, p in enumerate(prompts):
+        s.add(Request(id=i, prompt=p, max_new_tokens=1))
+    drive(s)
+    assert len(s.cache) == 16 and s.ledger.free == [40 - 16]  # 8 prefixes, 1 row
+    for i, p in enumerate(prompts):
+        s.add(Request(id=10 + i, prompt=p + (7,), max_new_tokens=1))
+    drive(s)
+    assert s.counters.prefix_hits == 8 and s.counters.prefix_tokens == 8 * 8
+    # a request needing 30 slots evicts least recently used first: prompt 0's blocks
+    s.add(Request(id=20, prompt=tuple(range(1000, 1120)), max_new_tokens=1))
+    drive(s)
+    assert s.counters.evictions > 0
+    assert not s.cache.match(prompts[0] + (7,), 2) and s.cache.match(prompts[7] + (7,), 2)

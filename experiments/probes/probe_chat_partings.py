@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     res = run_metadata(**vars(args) | {"out": str(args.out)}, near_tie=NEAR_TIE)
     res["engine"] = {
         str(cached): dict(
-            prefix_cache_rows=e.config.prefix_cache_rows,
+            cache_nodes=e.layout.cache_nodes,
             page_size=e.layout.page_size,
             scratch=e.layout.scratch,
             num_slots=list(e.num_slots),

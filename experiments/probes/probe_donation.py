@@ -43,11 +43,11 @@ def record(preset: str, rows: int, context: int, chunk: int) -> dict:
         inputs = _runner.step_inputs(
             StepPlan(0, {}, {}, {}),
             num_tokens=0,
-            max_batch=layout.max_batch,
-            max_shares=0,
+            layout=layout,
+            max_cache_ops=0,
             sampling=lambda r: (0.0, 0, 1.0),
         )
-        args = (inputs.free_a, inputs.shares_a, inputs.free_b)
+        args = (inputs.free_a, inputs.release, inputs.park_a, inputs.adopt, inputs.free_b)
         compiled = _runner.bookkeeping_step.lower(layout, state, *args).compile()
         m = compiled.memory_analysis()
         dev = jax.devices()[0]
