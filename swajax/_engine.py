@@ -52,6 +52,7 @@ from swajax._budget import (
 )
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
+from swajax._drafter import NgramDrafter
 from swajax._engine_config import EngineConfig
 from swajax._layout import build_layout, with_num_slots
 from swajax._model_runner import ModelRunner
@@ -126,10 +127,14 @@ class Engine(RequestAPI):
             max_num_tokens=cfg.max_num_tokens,
             min_prefill_bucket=cfg.min_prefill_bucket,
             max_cache_ops=min(16, cfg.max_batch) if cfg.enable_prefix_caching else 0,
+            draft_tokens=cfg.num_draft_tokens,
             implementation=cfg.implementation,
             mesh=mesh,
             num_replicas=dp,
         )
+        self._drafter = None
+        if cfg.num_draft_tokens:
+            self._drafter = NgramDrafter() if cfg.drafter == "ngram" else cfg.drafter
         self._front = Front()
         self._step_lock = threading.Lock()
         self._recordings: list[Recording] = []  # open `recording` blocks
@@ -147,6 +152,7 @@ class Engine(RequestAPI):
                 headroom=self.pool.headroom,
                 max_cache_ops=self.runner.max_cache_ops,
                 batch_invariant=self.config.batch_invariant,
+                drafter=self._drafter,
             ),
             self.runner.num_replicas,
         )
@@ -289,6 +295,9 @@ class Engine(RequestAPI):
                     outputs += self._rebalance()
             elif self.pool.adaptive and self.runner.in_flight is None:
                 self._adapt()
+            if self.replicas.awaits_tokens and self.runner.in_flight is not None:
+                # a speculating request's drafts follow its last token: read it first
+                outputs += self._postprocess(self.runner.collect())
             plans = self.replicas.schedule()
             if plans is None:
                 if self.replicas.has_work and self.runner.in_flight is None:
@@ -315,7 +324,7 @@ class Engine(RequestAPI):
         for i, res in enumerate(results):  # one per replica, in order
             samples = res.plan.samples
             before = {row: len(r.output) for row, (r, _) in samples.items()}
-            tokens = {row: int(res.next_tokens[row]) for row in samples}
+            tokens = {row: res.tokens(row) for row in samples}
             finite = {row: bool(res.finite[row]) for row in samples}
             scheduler = schedulers[i % len(schedulers)]
             changed = set(scheduler.update_from_output(res.plan, tokens, finite))

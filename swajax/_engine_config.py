@@ -52,6 +52,14 @@ class EngineConfig:
       mesh: a `jax.sharding.Mesh` with an axis "model" (tensor parallelism) and optionally
         "data" (replicas, each with its own pool); None: one device.
       precompile: compile the greedy steps at construction (in threads).
+      num_draft_tokens: speculative decoding (`swajax._drafter`): a request in decode feeds up
+        to this many drafted tokens after its last token in one step, the model scores them
+        all, and the request keeps those the target agrees with (greedy: the same tokens as
+        without; sampling: the same distribution). 0: off. Per request:
+        `SamplingParams.num_draft_tokens`. Needs mixed steps (not batch_invariant); sliding
+        layers keep at least this many tokens past their window (`max_rewind`).
+      drafter: what proposes the drafts: "ngram" (prompt lookup, `NgramDrafter`) or an object
+        with `propose(tokens, k) -> list[int]` (`swajax._drafter.Drafter`).
     """
 
     kv_cache: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
@@ -66,6 +74,8 @@ class EngineConfig:
     batch_invariant: bool = False
     mesh: object = None
     precompile: bool = False
+    num_draft_tokens: int = 0
+    drafter: object = "ngram"
 
     def __post_init__(self):
         if not isinstance(self.kv_cache, KVCacheConfig):
@@ -84,6 +94,17 @@ class EngineConfig:
         h = self.admission_headroom
         if isinstance(h, bool) or not isinstance(h, float | int) or not 0 <= h < 1:
             raise ValueError(f"admission_headroom must be in [0, 1), got {h!r}")
+        _validate.positive_int("num_draft_tokens", self.num_draft_tokens, minimum=0)
+        if not (self.drafter == "ngram" or callable(getattr(self.drafter, "propose", None))):
+            raise ValueError(
+                "drafter must be 'ngram' or an object with propose(tokens, k), got "
+                f"{self.drafter!r}"
+            )
+        if self.num_draft_tokens and self.batch_invariant:
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} needs mixed steps: a step with drafts "
+                "holds decode rows of several lengths, which batch_invariant=True does not run"
+            )
         for name in ("batch_invariant", "precompile", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -127,6 +148,8 @@ class EngineConfig:
         rows = self.max_batch or cfg.max_batch or DEFAULT_MAX_BATCH
         if self.enable_prefix_caching:
             cfg = dataclasses.replace(cfg, max_rewind=max(cfg.max_rewind, 2 * cfg.page_size))
+        if self.num_draft_tokens:  # the drafts a verification rejects are taken back
+            cfg = dataclasses.replace(cfg, max_rewind=max(cfg.max_rewind, self.num_draft_tokens))
         return dataclasses.replace(
             self,
             kv_cache=cfg,

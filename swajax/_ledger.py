@@ -190,6 +190,17 @@ class SlotLedger:
                 if stale:
                     self._drop(g, b, stale)
 
+    def rewind(self, row: int, history: int) -> None:
+        """Mirrors `rewind`: the row's history goes back to `history` (between steps; blocks
+        past it stay held, and the next reserve reuses them)."""
+        back = self.history[row] - history
+        if self.cap[row] != self.history[row] or not 0 <= back <= self.layout.max_rewind:
+            raise ValueError(
+                f"row {row} cannot rewind to {history} from history {self.history[row]} "
+                f"(cap {self.cap[row]})"
+            )
+        self.history[row] = self.cap[row] = history
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Frees every block and scratch slot of `rows`; the rows become empty."""
         for b in rows:

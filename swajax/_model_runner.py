@@ -65,8 +65,16 @@ class StepResult:
 
     plan: StepPlan
     next_tokens: np.ndarray  # i32[B] the token each sampling row drew
-    finite: np.ndarray  # bool[R] whether the row's logits were all finite
+    finite: np.ndarray  # bool[B] whether the row's logits were all finite
     logits: np.ndarray | None  # f32[B, V], when the step returned them
+    drafted: np.ndarray | None = None  # i32[B, K + 1] with speculative decoding
+    accepted: np.ndarray | None = None  # i32[B] drafts each row kept
+
+    def tokens(self, row: int) -> int | list[int]:
+        """What row `row` emits: its token, or with drafts its kept drafts then its token."""
+        if self.plan.drafts.get(row):
+            return [int(t) for t in self.drafted[row, : int(self.accepted[row]) + 1]]
+        return int(self.next_tokens[row])
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,6 +119,9 @@ class ModelRunner:
       layout: the pool layout of one replica.
       max_num_tokens, min_prefill_bucket: the step shapes (see `swajax.EngineConfig`).
       max_cache_ops: the length of the step's park and adopt lists (0: no prefix cache).
+      draft_tokens: most drafted tokens a row feeds in one step (speculative decoding; 0:
+        none). Steps of decode rows with drafts run at a token axis of max_batch x
+        (draft_tokens + 1).
       implementation: the attention kernels.
       mesh: a serving mesh (`swajax._sharding.serving_mesh`) or None; num_replicas its dp.
     """
@@ -125,6 +136,7 @@ class ModelRunner:
         min_prefill_bucket: int,
         max_cache_ops: int,
         implementation: str,
+        draft_tokens: int = 0,
         mesh=None,
         num_replicas: int = 1,
     ):
@@ -132,6 +144,7 @@ class ModelRunner:
         self.max_num_tokens = max_num_tokens
         self.min_prefill_bucket = min(min_prefill_bucket, max_num_tokens)
         self.max_cache_ops = max_cache_ops
+        self.draft_tokens = draft_tokens
         self.implementation = implementation
         self.mesh, self.num_replicas = mesh, num_replicas
         self._traces_at_start: dict[KVLayout, int] = {}
@@ -225,6 +238,8 @@ class ModelRunner:
         plans = [p for p in plans if p is not None and p.new_tokens]
         if all(p.decode_only for p in plans):
             num_tokens, decode = round_up(self.layout.max_batch, MIN_BUCKET), True
+        elif self.draft_tokens and all(p.verify_only for p in plans):
+            num_tokens, decode = self._verify_tokens, False
         else:
             n = max(max(p.num_tokens for p in plans), self.min_prefill_bucket, MIN_BUCKET)
             num_tokens, decode = min(1 << (n - 1).bit_length(), self.max_num_tokens), False
@@ -241,7 +256,13 @@ class ModelRunner:
             if t >= self.max_num_tokens:
                 break
             n = t + 1
-        return [(round_up(self.layout.max_batch, MIN_BUCKET), True), *buckets]
+        verify = [(self._verify_tokens, False)] if self.draft_tokens else []
+        return [(round_up(self.layout.max_batch, MIN_BUCKET), True), *verify, *buckets]
+
+    @property
+    def _verify_tokens(self) -> int:
+        """The token axis of a step of decode rows with drafts."""
+        return round_up(self.layout.max_batch * (self.draft_tokens + 1), MIN_BUCKET)
 
     def run(self, plans: list[StepPlan]) -> list[StepResult]:
         """Dispatches a step for `plans` (one per replica, each with new tokens or bookkeeping
@@ -292,9 +313,12 @@ class ModelRunner:
         next_tokens = np.asarray(out.next_tokens).reshape(dp, -1)
         finite = np.asarray(out.finite).reshape(dp, -1)
         ok, used = np.asarray(out.ok).reshape(dp), np.asarray(out.used).reshape(dp, -1)
-        logits = None
+        logits = drafted = accepted = None
         if out.logits is not None:
             logits = np.asarray(out.logits).reshape(dp, -1, out.logits.shape[-1])
+        if out.drafted is not None:
+            drafted = np.asarray(out.drafted).reshape(dp, -1, out.drafted.shape[-1])
+            accepted = np.asarray(out.accepted).reshape(dp, -1)
         for plan, ok_r, used_r in zip(plans, ok, used, strict=True):
             if not bool(ok_r):
                 raise RuntimeError(
@@ -308,7 +332,14 @@ class ModelRunner:
                     f"ledger {plan.used}"
                 )
         return [
-            StepResult(plan, next_tokens[i], finite[i], None if logits is None else logits[i])
+            StepResult(
+                plan,
+                next_tokens[i],
+                finite[i],
+                None if logits is None else logits[i],
+                None if drafted is None else drafted[i],
+                None if accepted is None else accepted[i],
+            )
             for i, plan in enumerate(plans)
         ]
 
@@ -326,6 +357,7 @@ class ModelRunner:
         ]
         inputs = self._joined(inputs)
         args = (
+            inputs.rewind,
             inputs.free_a,
             inputs.release,
             inputs.park_a,
@@ -357,6 +389,7 @@ class ModelRunner:
             sampling_mode=shape.mode,
             logits=shape.logits,
             mesh=self.mesh,
+            draft_tokens=self.draft_tokens,
         )
 
     # ------------------------------------------------------------------ compilation

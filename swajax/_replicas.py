@@ -60,6 +60,10 @@ class Replicas:
         return any(s.has_work for s in self.schedulers)
 
     @property
+    def awaits_tokens(self) -> bool:
+        return any(s.awaits_tokens for s in self.schedulers)
+
+    @property
     def pool_idle(self) -> bool:
         return all(s.pool_idle for s in self.schedulers)
 
@@ -127,6 +131,7 @@ def make_scheduler(
     headroom,
     max_cache_ops: int = 0,
     batch_invariant: bool = False,
+    drafter=None,
 ) -> Scheduler:
     """The engine's scheduler over a fresh `SlotLedger` of `layout` (also what a host-only
     simulation of the engine plans with): mixed steps, or with `batch_invariant` one kind of
@@ -139,4 +144,5 @@ def make_scheduler(
         max_cache_ops=max_cache_ops,
         mixed_steps=not batch_invariant,
         cut_align=PREFILL_QUERY_TILE if batch_invariant else 0,
+        drafter=drafter,
     )

@@ -55,6 +55,13 @@ class RequestAPI:
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stop = frozenset(_validate.token_ids("stop_token_ids", stop_token_ids, self.vocab_size))
         self.check_fits(len(prompt), max_new_tokens)
+        most = self.config.num_draft_tokens
+        drafts = most if sampling.num_draft_tokens is None else sampling.num_draft_tokens
+        if drafts > most:
+            raise ValueError(
+                f"num_draft_tokens={drafts} exceeds the engine's num_draft_tokens={most} "
+                "(EngineConfig.num_draft_tokens bounds the drafted tokens of a step)"
+            )
         return Request(
             id=-1,
             prompt=tuple(prompt),
@@ -62,6 +69,7 @@ class RequestAPI:
             stop_token_ids=stop,
             sampling=sampling,
             key_data=key_data,
+            num_draft_tokens=drafts,
         )
 
     def _queue(self, requests: Sequence[Request], run_index: bool = False, into=None) -> list[int]:
@@ -280,7 +288,14 @@ class RequestAPI:
             with self._step_lock:
                 stats.seconds = time.perf_counter() - t0
                 c = self.replicas.counters()
-                for name in ("preemptions", "evictions", "prefix_hits", "prefix_tokens"):
+                for name in (
+                    "preemptions",
+                    "evictions",
+                    "prefix_hits",
+                    "prefix_tokens",
+                    "draft_tokens",
+                    "accepted_tokens",
+                ):
                     setattr(stats, name, getattr(c, name) - getattr(rec.counters, name))
                 self._recordings.remove(rec)
                 self.runner.collect_logits = any(

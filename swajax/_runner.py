@@ -37,7 +37,7 @@ from flax import nnx
 from swajax import _sharding, _step_cache
 from swajax._layout import KVLayout
 from swajax._paged import make_attention_fn, token_positions
-from swajax._sampling import sample, token_keys
+from swajax._sampling import sample, token_keys, verify_drafts
 from swajax._scheduler import StepPlan
 from swajax._state import KVPoolState
 from swajax._transforms import (
@@ -47,6 +47,7 @@ from swajax._transforms import (
     park,
     release_cached,
     reserve,
+    rewind,
     step_metadata,
     step_page_tables,
 )
@@ -58,6 +59,7 @@ class StepInputs(NamedTuple):
     tokens: jax.Array  # i32[T] packed new tokens (rows in batch order)
     prev_rows: jax.Array  # i32[T] row whose previous sample is this token, or -1 (literal)
     new_tokens: jax.Array  # i32[B] new tokens per row
+    rewind: jax.Array  # i32[B] history each row goes back to first (speculation); -1 = none
     free_a: jax.Array  # bool[B]
     release: jax.Array  # i32[E] cached nodes released; -1 = none
     park_a: jax.Array  # i32[S, 2 + 2 NB] (row, k, nodes, group masks); row -1 = none
@@ -69,6 +71,7 @@ class StepInputs(NamedTuple):
     temperature: jax.Array  # f32[B]
     top_k: jax.Array  # i32[B]
     top_p: jax.Array  # f32[B]
+    num_drafts: jax.Array  # i32[B] drafted tokens each row feeds after its last token
 
 
 class StepOutput(NamedTuple):
@@ -81,15 +84,20 @@ class StepOutput(NamedTuple):
     used: jax.Array  # i32[G] slots held after the reserve (the step's peak)
     finite: jax.Array  # bool[B]: every logit of the row's last new token is finite
     logits: jax.Array | None  # f32[B, V] of each row's last new token, if asked for
+    # With speculative decoding (draft_tokens = K > 0): the tokens each row emits are
+    # drafted[b, : accepted[b] + 1] (its kept drafts, then next_tokens[b]); None otherwise.
+    drafted: jax.Array | None = None  # i32[B, K + 1]
+    accepted: jax.Array | None = None  # i32[B]
 
 
-def bookkeeping_before(layout, state, free_a, release, park_a, adopt_ops, free_b):
-    """free_a -> release -> park_a -> adopt -> free_b; returns (ok, state)."""
+def bookkeeping_before(layout, state, rewind_to, free_a, release, park_a, adopt_ops, free_b):
+    """rewind -> free_a -> release -> park_a -> adopt -> free_b; returns (ok, state)."""
+    rewound, state = rewind(layout, state, rewind_to)
     state = free_rows(layout, state, free_a)
     state = release_cached(layout, state, release)
     parked, state = park(layout, state, park_a)
     adopted, state = adopt(layout, state, adopt_ops)
-    return parked & adopted, free_rows(layout, state, free_b)
+    return rewound & parked & adopted, free_rows(layout, state, free_b)
 
 
 def _step(
@@ -105,10 +113,12 @@ def _step(
     implementation: str,
     sampling_mode: str,
     return_logits: bool,
+    draft_tokens: int = 0,
 ) -> StepOutput:
     ok, state = bookkeeping_before(
         layout,
         state,
+        inputs.rewind,
         inputs.free_a,
         inputs.release,
         inputs.park_a,
@@ -135,33 +145,57 @@ def _step(
     )
     model = nnx.merge(graphdef, params)
     rows = layout.max_batch
-    last = jnp.clip(meta.q_starts[1 : rows + 1] - 1, 0, num_tokens - 1)  # [R]
+    last = jnp.clip(meta.q_starts[1 : rows + 1] - 1, 0, num_tokens - 1)  # [B]
+    k = draft_tokens
+    # logits of each row's last fed token and, with drafts, of the k before it: position j
+    # of row b is its token q_end - 1 - num_drafts + j (clipped to its last)
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    at = jnp.clip(last[:, None] - inputs.num_drafts[:, None] + j, 0, last[:, None])  # [B, K+1]
     logits, pools = model.forward(
         tokens,
         positions,
         attention_fn=attention_fn,
         attention_state=state.pools,
-        logits_indices=last,
-    )  # [B, V]: only each row's last new token is unembedded
-    keys = token_keys(inputs.key_data[:rows], inputs.token_index[:rows])
-    next_tokens = sample(
-        logits,
-        keys,
-        temperature=inputs.temperature[:rows],
-        top_k=inputs.top_k[:rows],
-        top_p=inputs.top_p[:rows],
-        mode=sampling_mode,
+        logits_indices=at.reshape(-1),
+    )  # [B * (K + 1), V]: only these tokens are unembedded
+    logits = logits.reshape(rows, k + 1, -1)
+    sampling = dict(
+        temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, mode=sampling_mode
     )
+    keys = token_keys(  # [B, K + 1]: the key of the token drawn at each position
+        jnp.repeat(inputs.key_data, k + 1, axis=0), (inputs.token_index[:, None] + j).reshape(-1)
+    ).reshape(rows, k + 1)
+    next_tokens = sample(logits[:, 0], keys[:, 0], **sampling)  # a row without drafts
+    drafted = accepted = None
+    used_positions = j <= inputs.num_drafts[:, None]  # [B, K + 1]
+    if k:
+        drafts = tokens[jnp.clip(at[:, 1:], 0, num_tokens - 1)]  # [B, K] the fed drafts
+        drafted, accepted = verify_drafts(logits, drafts, inputs.num_drafts, keys, **sampling)
+        with_drafts = inputs.num_drafts > 0
+        drafted = drafted.at[:, 0].set(jnp.where(with_drafts, drafted[:, 0], next_tokens))
+        accepted = jnp.where(with_drafts, accepted, 0)
+        next_tokens = jnp.take_along_axis(drafted, accepted[:, None], axis=1)[:, 0]
     # A row whose logits hold NaN or Inf (broken weights, an overflow) is flagged, never
     # silently turned into a token: read with the tokens, no extra host sync.
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [B]
+    finite = jnp.all(jnp.isfinite(logits) | ~used_positions[..., None], axis=(1, 2))  # [B]
+    row_logits = jnp.take_along_axis(
+        logits, (jnp.zeros_like(last) if accepted is None else accepted)[:, None, None], axis=1
+    )[:, 0]
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = park(layout, state, inputs.park_b)
     # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are
     # small and rebuilt every step, so none are carried (the next step gets None again).
     carried = tables if layout.page_table_mode == "per_layer" else None
     return StepOutput(
-        state, carried, next_tokens, ok & shared, used, finite, logits if return_logits else None
+        state,
+        carried,
+        next_tokens,
+        ok & shared,
+        used,
+        finite,
+        row_logits if return_logits else None,
+        drafted,
+        accepted,
     )
 
 
@@ -198,6 +232,7 @@ def step_function(
     sampling_mode: str,
     logits: bool,
     mesh=None,
+    draft_tokens: int = 0,
 ):
     """The jitted step with its static arguments bound (state and tables donated); without a
     mesh wrapped in a `swajax._step_cache.CachedStep` (called the same way; exported steps kept
@@ -220,6 +255,7 @@ def step_function(
         implementation=implementation,
         sampling_mode=sampling_mode,
         return_logits=logits,
+        draft_tokens=draft_tokens,
     )
     if mesh is None:
         options = dict(STEP_COMPILER_OPTIONS)
@@ -231,6 +267,7 @@ def step_function(
             implementation,
             sampling_mode,
             logits,
+            draft_tokens,
         ]
         return _step_cache.CachedStep(
             jitted,
@@ -248,6 +285,8 @@ def step_function(
         replica,
         replica,
         replica if logits else None,
+        replica if draft_tokens else None,
+        replica if draft_tokens else None,
     )
     # Outputs pinned to the inputs' shardings: the donated pool roots alias in place.
     return jax.jit(
@@ -261,10 +300,10 @@ def step_function(
 @functools.partial(
     jax.jit, static_argnums=0, donate_argnums=1, compiler_options=STEP_COMPILER_OPTIONS
 )
-def bookkeeping_step(layout, state, free_a, release, park_a, adopt_ops, free_b):
-    """A step without a forward: only free_a -> release -> park_a -> adopt -> free_b (aborts,
-    cache clears)."""
-    return bookkeeping_before(layout, state, free_a, release, park_a, adopt_ops, free_b)
+def bookkeeping_step(layout, state, rewind_to, free_a, release, park_a, adopt_ops, free_b):
+    """A step without a forward: only rewind -> free_a -> release -> park_a -> adopt ->
+    free_b (aborts, cache clears)."""
+    return bookkeeping_before(layout, state, rewind_to, free_a, release, park_a, adopt_ops, free_b)
 
 
 @functools.lru_cache(maxsize=16)
@@ -316,6 +355,12 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_
                 tokens[t] = token
             t += 1
     assert t <= num_tokens, (t, num_tokens)
+    rewind_to = np.full(max_batch, -1, np.int32)
+    for row, history in plan.rewind.items():
+        rewind_to[row] = history
+    num_drafts = np.zeros(max_batch, np.int32)
+    for row, n in plan.drafts.items():
+        num_drafts[row] = n
     free_a, free_b = np.zeros(max_batch, bool), np.zeros(max_batch, bool)
     free_a[plan.free_a] = True
     free_b[plan.free_b] = True
@@ -334,6 +379,7 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_
         tokens,
         prev_rows,
         new_tokens,
+        rewind_to,
         free_a,
         release,
         _park_array(plan.park_a, max_cache_ops, nb),
@@ -345,6 +391,7 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_
         temperature,
         top_k,
         top_p,
+        num_drafts,
     )
 
 

@@ -48,12 +48,16 @@ class SamplingParams:
         (None or 1.0: all).
       seed: the request's PRNG seed (an integer in [0, 2**63 - 1]); None takes the engine
         call's seed combined with the request's position in it.
+      num_draft_tokens: speculative decoding for this request: most drafted tokens verified
+        per step, at most the engine's `EngineConfig.num_draft_tokens`; None: the engine's;
+        0: none. The tokens are distributed as without it (greedy: the same tokens).
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    num_draft_tokens: int | None = None
 
     def __post_init__(self):
         t = self.temperature
@@ -71,6 +75,9 @@ class SamplingParams:
             object.__setattr__(self, "top_p", float(p))
         if self.seed is not None:
             object.__setattr__(self, "seed", check_seed(self.seed))
+        d = self.num_draft_tokens
+        if d is not None and (not _is_int(d) or d < 0):
+            raise ValueError(f"num_draft_tokens must be None or an int >= 0, got {d!r}")
 
     @property
     def greedy(self) -> bool:
@@ -186,3 +193,84 @@ def _filter(scaled, top_k, top_p):
     threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(threshold, kth)
     return jnp.where(scaled >= threshold, scaled, _NEG)
+
+
+def verify_drafts(
+    logits: jax.Array,
+    drafts: jax.Array,
+    num_drafts: jax.Array,
+    keys: jax.Array,
+    *,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    mode: str = "filter",
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative verification: which drafted tokens each row keeps, and its next token.
+
+    Row b fed its last token and then `num_drafts[b]` drafted tokens d_1 .. d_n; logits[b, j]
+    are the target's logits after its j-th fed token (j = 0: after the last accepted token),
+    so position j judges d_{j+1}. Greedy rows keep the drafts while each equals the argmax,
+    then take the argmax. Sampling rows use the rejection rule of speculative sampling for a
+    deterministic drafter (q = one-hot at the draft): d_{j+1} is kept with probability
+    p_j(d_{j+1}) under the row's temperature / top-k / top-p; at the first rejection the next
+    token is drawn from p_j with d_{j+1} removed (p renormalised), and when every draft is
+    kept from p_n (the bonus token). The tokens a row emits are thus distributed exactly as
+    the target's own samples.
+
+    Args:
+      logits: f[B, K + 1, V].
+      drafts: i32[B, K] drafted tokens (entries past num_drafts are ignored).
+      num_drafts: i32[B] in [0, K].
+      keys: PRNG keys [B, K + 1], one per position (the key of the token drawn there).
+      temperature, top_k, top_p: per row [B] (as `sample`).
+      mode: static, as `sample`.
+
+    Returns:
+      (tokens i32[B, K + 1], accepted i32[B]): row b emits tokens[b, : accepted[b] + 1]
+      (the kept drafts, then its next token).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    batch, positions, vocab = logits.shape
+    k = positions - 1
+    if drafts.shape != (batch, k) or num_drafts.shape != (batch,):
+        raise ValueError(
+            f"drafts must be [B={batch}, K={k}] and num_drafts [B], got {drafts.shape} and "
+            f"{num_drafts.shape}"
+        )
+    logits = logits.astype(jnp.float32)
+    real = jnp.arange(k)[None, :] < num_drafts[:, None]  # [B, K]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
+    kept = jnp.cumprod(((greedy[:, :k] == drafts) & real).astype(jnp.int32), axis=1)
+    greedy_accepted = jnp.sum(kept, axis=1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy, greedy_accepted
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
+    rep = lambda x: jnp.repeat(jnp.broadcast_to(x, (batch,)), positions)  # noqa: E731
+    scaled = (logits / jnp.maximum(t, 1e-6)[:, None, None]).reshape(batch * positions, vocab)
+    if mode == "filter":
+        scaled = _filter(
+            scaled, rep(jnp.asarray(top_k, jnp.int32)), rep(jnp.asarray(top_p, jnp.float32))
+        )
+    masked = scaled.reshape(batch, positions, vocab)
+    probs = jax.nn.softmax(masked, axis=-1)
+    flat_keys = keys.reshape(batch * positions)
+    u_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(flat_keys)
+    r_keys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(flat_keys)
+    u = jax.vmap(jax.random.uniform)(u_keys).reshape(batch, positions)[:, :k]
+    p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
+    kept = jnp.cumprod(((u < p_draft) & real).astype(jnp.int32), axis=1)
+    accepted = jnp.sum(kept, axis=1).astype(jnp.int32)
+    # position j's next token if d_{j+1} is rejected there (j < n), or the bonus (j = n)
+    removed = jnp.concatenate([drafts, jnp.full((batch, 1), -1, drafts.dtype)], axis=1)
+    removed = jnp.where(jnp.arange(positions)[None, :] < num_drafts[:, None], removed, -1)
+    vocab_ids = jnp.arange(vocab)[None, None, :]
+    residual = jnp.where(vocab_ids == removed[..., None], _NEG, masked)
+    drawn = jax.vmap(jax.random.categorical)(r_keys, residual.reshape(-1, vocab))
+    drawn = drawn.reshape(batch, positions).astype(jnp.int32)
+    padded = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)
+    sampled = jnp.where(jnp.arange(positions)[None, :] < accepted[:, None], padded, drawn)
+    sampling = t > 0.0
+    tokens = jnp.where(sampling[:, None], sampled, greedy)
+    return tokens.astype(jnp.int32), jnp.where(sampling, accepted, greedy_accepted)

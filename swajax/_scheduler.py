@@ -101,6 +101,8 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     error: str | None = None  # why it finished with "error"
+    num_draft_tokens: int = 0  # most drafted tokens per step (0: no speculation)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # fed in the step in flight
 
     @property
     def pending(self) -> bool:
@@ -148,6 +150,10 @@ class StepPlan:
     adopt: list[Adopt] = dataclasses.field(default_factory=list)
     free_b: list[int] = dataclasses.field(default_factory=list)
     park_b: list[Park] = dataclasses.field(default_factory=list)
+    # Speculative decoding: drafted tokens each row feeds after its last token (row -> count),
+    # and the rows whose history goes back to the tokens they kept, before anything else.
+    drafts: dict[int, int] = dataclasses.field(default_factory=dict)
+    rewind: dict[int, int] = dataclasses.field(default_factory=dict)
     used: tuple[int, ...] = ()  # slots held per group after the reserve (the step's peak)
     # Planned as a prefill step without decode rows (`Scheduler(mixed_steps=False)`): it runs
     # as one even when each of its rows feeds a single token.
@@ -161,6 +167,13 @@ class StepPlan:
     def decode_only(self) -> bool:
         return not self.prefill_step and all(n <= 1 for n in self.new_tokens.values())
 
+    @property
+    def verify_only(self) -> bool:
+        """Decode rows only, some with drafted tokens (a speculative verification step)."""
+        return not self.prefill_step and all(
+            n - self.drafts.get(row, 0) <= 1 for row, n in self.new_tokens.items()
+        )
+
 
 @dataclasses.dataclass
 class SchedulerCounters:
@@ -168,6 +181,8 @@ class SchedulerCounters:
     prefix_hits: int = 0
     prefix_tokens: int = 0
     evictions: int = 0
+    draft_tokens: int = 0  # tokens drafted and verified
+    accepted_tokens: int = 0  # of them, kept
 
 
 class Scheduler:
@@ -183,6 +198,10 @@ class Scheduler:
         `layout.cache_nodes` node ids; one step evicts at most `layout.cache_releases`.
       mixed_steps: whether decode rows and prefill rows may share a step (False: each step
         holds one kind; see the module docstring).
+      drafter: proposes the tokens of speculative decoding (`swajax._drafter`) for requests
+        with `num_draft_tokens` > 0; None: no speculation. A speculating request in decode
+        feeds its last token and up to that many drafted tokens in one step, and is planned
+        only once its last token was read.
       cut_align: without mixed steps, the multiple of tokens at which a prompt's chunk may be
         cut to the budget left (0: chunks are whole). Cuts are made only when the chunk is a
         multiple of it and only to a chunk that starts at a multiple of it, so every chunk of
@@ -199,6 +218,7 @@ class Scheduler:
         max_cache_ops: int = 0,
         mixed_steps: bool = True,
         cut_align: int = 0,
+        drafter=None,
     ):
         layout = ledger.layout
         if not isinstance(cut_align, int) or cut_align < 0:
@@ -212,6 +232,7 @@ class Scheduler:
         self.chunk = chunk if mixed_steps else min(chunk, max_num_tokens)
         self.headroom = tuple(headroom)
         self.max_cache_ops = max_cache_ops
+        self.drafter = drafter
         self.max_releases = layout.cache_releases
         self.mixed_steps = mixed_steps
         # (no cuts unless a whole chunk keeps the next start aligned)
@@ -229,6 +250,7 @@ class Scheduler:
         self._release: list[Request] = []  # finished requests whose rows go back next step
         self._free_next: list[int] = []  # rows freed in the ledger, on the device next step
         self._release_next: list[int] = []  # cached nodes released likewise
+        self._rewind_next: dict[int, int] = {}  # row -> history kept after a verification
         self._steps = 0
         self._prefill_last = False  # whether the last step planned was a prefill step
 
@@ -244,8 +266,19 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.waiting or self.running or self._release or self._free_next or self._release_next
+            self.waiting
+            or self.running
+            or self._release
+            or self._free_next
+            or self._release_next
+            or self._rewind_next
         )
+
+    @property
+    def awaits_tokens(self) -> bool:
+        """Whether a speculating request waits for its last token (the engine then reads the
+        step in flight before planning: its drafts follow that token)."""
+        return any(r.pending and r.num_draft_tokens for r in self.running)
 
     @property
     def pool_idle(self) -> bool:
@@ -336,9 +369,11 @@ class Scheduler:
             self.ledger.release_cached(node_id)
             self._release_next.append(node_id)
 
-    def _pending(self, plan: StepPlan) -> None:
+    def _take_pending(self, plan: StepPlan) -> None:
         """Moves the rows and nodes released between steps into `plan` (at most
         `max_releases` nodes; the rest wait for the next plan)."""
+        plan.rewind.update(self._rewind_next)
+        self._rewind_next = {}
         plan.free_a += self._free_next
         self._free_next = []
         n = self.max_releases
@@ -348,10 +383,10 @@ class Scheduler:
     def bookkeeping_plan(self) -> StepPlan | None:
         """A plan with only the frees of aborted requests and the releases of cleared cached
         blocks (some of them, if there are more than one step releases), or None."""
-        if not self._free_next and not self._release_next:
+        if not self._free_next and not self._release_next and not self._rewind_next:
             return None
         plan = StepPlan(self._steps, {}, {}, {})
-        self._pending(plan)
+        self._take_pending(plan)
         plan.used = self.ledger.used()
         return plan
 
@@ -360,11 +395,15 @@ class Scheduler:
     def update_from_output(
         self, plan: StepPlan, tokens: dict[int, int], finite: dict[int, bool] | None = None
     ) -> list[Request]:
-        """Records the tokens a step drew (row -> id) and whether each row's logits were all
-        finite (a row that was not finishes with "error": its token is not recorded); returns
-        the requests that changed."""
+        """Records the tokens a step drew (row -> id, or the list of ids a row with drafts
+        kept: its kept drafts, then its next token) and whether each row's logits were all
+        finite (a row that was not finishes with "error": its tokens are not recorded);
+        returns the requests that changed."""
         changed = []
         for row, (r, index) in plan.samples.items():
+            drafted = plan.drafts.get(row, 0)
+            if drafted:
+                r.drafts = []
             if r.status == FINISHED or index != len(r.output):
                 continue  # stopped earlier (this token is dropped) or aborted
             if finite is not None and not finite[row]:
@@ -375,13 +414,25 @@ class Scheduler:
                 self._finish(r, "error")
                 changed.append(r)
                 continue
-            token = int(tokens[row])
-            r.output.append(token)
+            drawn = tokens[row]
+            drawn = [int(t) for t in drawn] if isinstance(drawn, list | tuple) else [int(drawn)]
+            if drafted:  # the kept drafts' KV stays; the row's history goes back to it
+                kept = len(drawn) - 1
+                self.counters.draft_tokens += drafted
+                self.counters.accepted_tokens += kept
+                r.fed += kept
+                r.num_generated = len(r.output) + len(drawn)
+                self.ledger.rewind(row, r.fed)
+                self._rewind_next[row] = r.fed
             changed.append(r)
-            if token in r.stop_token_ids:
-                self._finish(r, "stop")
-            elif len(r.output) == r.max_new_tokens:
-                self._finish(r, "length")
+            for token in drawn:
+                r.output.append(token)
+                if token in r.stop_token_ids:
+                    self._finish(r, "stop")
+                    break
+                if len(r.output) == r.max_new_tokens:
+                    self._finish(r, "length")
+                    break
         return changed
 
     def _finish(self, r: Request, reason: str) -> None:
@@ -571,7 +622,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plans the next step (mutating the ledger as the step will); None if idle."""
         step = _Step(StepPlan(self._steps, {}, {}, {}), self)
-        self._pending(step.plan)
+        self._take_pending(step.plan)
         for r in self.running:
             if r.num_generated >= r.max_new_tokens:
                 r.done_scheduling = True
@@ -623,12 +674,21 @@ class Scheduler:
             want = self._tokens_within(r, step.budget)
             if want == 0:
                 continue  # without mixed steps: it waits for the next prefill step
+            drafts = []
+            if r.num_draft_tokens and self.drafter is not None and r.length - r.fed == 1:
+                if r.pending:
+                    continue  # its drafts follow its last token: it runs once that is read
+                drafts = self._drafts(r, step.budget)
+                want += len(drafts)
             while True:
                 n = self._largest_fit(r.row, want, step.planned)
                 if not self.mixed_steps and n < want:
                     n = 0  # not cut to the free slots either: make room for all of it
                 if n > 0:
                     step.take(r, n)
+                    r.drafts = drafts[: n - 1]
+                    if r.drafts:
+                        plan.drafts[r.row] = len(r.drafts)
                     break
                 if self._evict(plan, step.protect):
                     continue
@@ -640,6 +700,19 @@ class Scheduler:
                 self._preempt(newest, plan)
                 if newest is r:
                     break
+
+    def _drafts(self, r: Request, budget: int) -> list[int]:
+        """The drafter's tokens for r's next step: at most its num_draft_tokens, the tokens it
+        may still generate less one, what its row and the budget have room for."""
+        k = min(
+            r.num_draft_tokens,
+            r.max_new_tokens - r.num_generated - 1,
+            self.ledger.layout.max_context - r.length,
+            budget - 1,
+        )
+        if k <= 0:
+            return []
+        return [int(t) for t in self.drafter.propose(r.tokens(0, r.length), k)[:k]]
 
     def _admit(self, step: _Step) -> None:
         """Admits waiting requests in arrival order while rows, budget and slots last (see the
@@ -722,9 +795,13 @@ class Scheduler:
         the rows that draw a token."""
         for row, n in plan.new_tokens.items():
             r = self.rows[row]
+            drafted = plan.drafts.get(row, 0)
+            n -= drafted  # a row with drafts feeds its last token, then the drafts
             known = len(r.prompt) + len(r.output)
             plan.tokens[row] = r.tokens(r.fed, r.fed + n) + [None] * max(r.fed + n - known, 0)
             assert plan.tokens[row].count(None) <= 1 and len(plan.tokens[row]) == n
+            assert not drafted or None not in plan.tokens[row], (row, drafted)
+            plan.tokens[row] += r.drafts
             r.fed += n
             if r.fed == r.length:
                 plan.samples[row] = (r, r.num_generated)

@@ -41,7 +41,10 @@ class RunStats:
     last split's). Time by step kind: `prefill_s` / `decode_s`, host-observed (the loop keeps
     one step in flight, so the gap between two dispatches is the time of the step dispatched
     before them; the last two steps' time is not attributed); `mean_decode_rows`: rows per
-    decode-only step.
+    decode-only step. Speculative decoding: `draft_tokens` drafted tokens verified,
+    `accepted_tokens` of them kept (`acceptance_rate`); a step emits several tokens of a row at
+    once, and each of them counts the gap since the row's previous step shared among them
+    as its inter-token latency.
     """
 
     steps: int = 0
@@ -60,6 +63,8 @@ class RunStats:
     prefix_hits: int = 0  # requests that started from a cached prefix
     prefix_tokens: int = 0  # prompt tokens they did not prefill
     errors: int = 0  # requests finished with "error" (non-finite logits)
+    draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    accepted_tokens: int = 0  # of them, kept
     ttft_s: list[float] = dataclasses.field(default_factory=list)
     itl_s: list[float] = dataclasses.field(default_factory=list)
     step_logits: list | None = None  # (request index, token index, f32[V]) when collected
@@ -87,6 +92,11 @@ class RunStats:
         return self.prefix_tokens / max(self.prefix_tokens + self.prefill_tokens, 1)
 
     @property
+    def acceptance_rate(self) -> float:
+        """Drafted tokens kept over drafted tokens verified (nan without speculation)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+    @property
     def ttft(self) -> dict[str, float]:
         return _summary(self.ttft_s)
 
@@ -102,7 +112,7 @@ class RunStats:
         """A dispatched step: its tokens (prefill or decode), the slots it holds and its kind
         (timed when the steps after it are dispatched)."""
         now = time.perf_counter() if now is None else now
-        decode = all(p.decode_only for p in plans)
+        decode = all(p.decode_only or p.verify_only for p in plans)
         if decode:
             self.decode_steps += 1
             self.decode_rows += sum(len(p.new_tokens) for p in plans)
@@ -116,6 +126,7 @@ class RunStats:
         self.steps += 1
         for plan in plans:
             for row, n in plan.new_tokens.items():
+                n -= plan.drafts.get(row, 0)  # drafted tokens are counted when verified
                 if n > 1 or row not in plan.samples or plan.samples[row][1] == 0:
                     self.prefill_tokens += n
                 else:
@@ -126,11 +137,14 @@ class RunStats:
         self.slot_steps = tuple(int(x) for x in np.add(self.slot_steps, used))
         self.step_slots.append(tuple(int(x) for x in used))
 
-    def on_token(self, arrival: float, last: float | None, now: float) -> None:
-        self.output_tokens += 1
-        (self.ttft_s if last is None else self.itl_s).append(
-            now - arrival if last is None else now - last
-        )
+    def on_token(self, arrival: float, last: float | None, now: float, count: int = 1) -> None:
+        """`count` tokens of one request arrived at `now` (its previous ones at `last`)."""
+        self.output_tokens += count
+        if last is None:
+            self.ttft_s.append(now - arrival)
+            self.itl_s += [0.0] * (count - 1)
+        else:
+            self.itl_s += [(now - last) / count] * count
 
 
 class Recording:
@@ -144,6 +158,7 @@ class Recording:
         if r.finish_reason == "error":
             self.stats.errors += 1
             return
-        self.stats.on_token(t.arrival, t.last, now)
-        if self.stats.step_logits is not None and logits is not None:
-            self.stats.step_logits.append((t.index, index, logits[row]))
+        count = max(len(r.output) - index, 1)
+        self.stats.on_token(t.arrival, t.last, now, count)
+        if self.stats.step_logits is not None and logits is not None:  # the last token's
+            self.stats.step_logits.append((t.index, index + count - 1, logits[row]))

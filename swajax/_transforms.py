@@ -48,6 +48,7 @@ __all__ = [
     "release_cached",
     "reserve",
     "resize",
+    "rewind",
     "row_slots",
     "slots_needed",
     "step_metadata",
@@ -276,6 +277,31 @@ def advance(layout: KVLayout, state: KVPoolState, new_history=None) -> KVPoolSta
         scratch_range=tuple(jnp.full_like(r, BAD) for r in state.scratch_range),
         scratch_slots=tuple(jnp.full_like(s, BAD) for s in state.scratch_slots),
     )
+
+
+def rewind(layout: KVLayout, state: KVPoolState, history) -> tuple[jax.Array, KVPoolState]:
+    """Rows whose `history` entry is >= 0 go back to that history (speculative decoding: the
+    tokens a verification kept). Blocks past it stay held and the next `reserve` reuses them;
+    nothing is released. The out-of-window release of the step that fed the drafts kept
+    `max_rewind` tokens before its end, so the window of the kept history is whole when at
+    most `max_rewind` tokens go back.
+
+    Returns (ok, state): ok is False, and the state unchanged, where a row would go forward,
+    goes back more than max_rewind tokens, or a step is in flight.
+    """
+    h = _rows(layout, history, "history")
+    back = h >= 0
+    ok = jnp.all(
+        ~back
+        | (
+            (h <= state.history)
+            & (state.cap == state.history)
+            & (state.history - h <= layout.max_rewind)
+        )
+    )
+    hn = jnp.where(back, h, state.history)
+    new = dataclasses.replace(state, history=hn, cap=hn)
+    return ok, _select(ok, new, state)
 
 
 def free_rows(layout: KVLayout, state: KVPoolState, rows) -> KVPoolState:

@@ -31,6 +31,7 @@ def _ops(layout):
         jit(swajax.pool.park),
         jit(swajax.pool.adopt),
         jit(swajax.pool.release_cached),
+        jit(swajax.pool.rewind),
     )
 
 
@@ -50,12 +51,12 @@ def _agree(layout, ledger, state):
 @settings(max_examples=15, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 2**31 - 1), num_steps=st.integers(1, 14))
 def test_ledger_matches_transforms(layout, seed, num_steps):
-    """Random reserve / advance / free / park / adopt / release schedules: the ledger and the
-    device agree on free slots, slots per row, histories and cached blocks after every op,
-    and on the verdict of every reserve and adoption."""
+    """Random reserve / advance / free / park / adopt / release / rewind schedules: the
+    ledger and the device agree on free slots, slots per row, histories and cached blocks
+    after every op, and on the verdict of every reserve and adoption."""
     layout = dataclasses.replace(layout, cache_nodes=NODES)
     rng = np.random.default_rng(seed)
-    reserve, advance, free_rows, park, adopt, release = _ops(layout)
+    reserve, advance, free_rows, park, adopt, release, rewind = _ops(layout)
     state = swajax.pool.init_state(layout)
     ledger = SlotLedger(layout)
     b, tpb, nb = layout.max_batch, layout.page_size, layout.max_blocks
@@ -65,7 +66,8 @@ def test_ledger_matches_transforms(layout, seed, num_steps):
 
     parked = []
     for _ in range(num_steps):
-        op = rng.choice(["step", "step", "step", "free", "park", "park", "adopt", "release"])
+        ops = ["step", "step", "step", "free", "park", "park", "adopt", "release", "rewind"]
+        op = rng.choice(ops)
         if op == "free":
             rows = rng.random(b) < 0.4
             state = free_rows(layout, state, jnp.asarray(rows))
@@ -96,6 +98,14 @@ def test_ledger_matches_transforms(layout, seed, num_steps):
             feasible = ledger.is_empty(row) and ledger.can_adopt(k, nodes)
             ok, state = adopt(layout, state, jnp.asarray(ops))
             assert bool(ok) == ledger.adopt(row, k, nodes) == feasible
+        elif op == "rewind":  # a verification kept fewer tokens than it fed
+            row = int(rng.integers(b))
+            back = int(rng.integers(0, min(layout.max_rewind, ledger.history[row]) + 1))
+            to = np.full(b, -1, np.int32)
+            to[row] = ledger.history[row] - back
+            ok, state = rewind(layout, state, jnp.asarray(to))
+            assert bool(ok)
+            ledger.rewind(row, int(to[row]))
         elif op == "release":
             nodes = path(int(rng.integers(0, NODES)))
             state = release(layout, state, jnp.asarray(nodes + [-1], jnp.int32))

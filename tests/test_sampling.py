@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from swajax._sampling import SamplingParams, sample
+from swajax._sampling import SamplingParams, sample, verify_drafts
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 
@@ -99,3 +99,81 @@ def test_static_mode_equals_filter_mode(params, mode):
 def test_mode_validation():
     with pytest.raises(ValueError, match="mode"):
         sample(jnp.zeros((1, 4)), jax.random.key(0), **SamplingParams().as_arrays(), mode="nucleus")
+
+
+def _chi_square(counts, probs):
+    """Pearson's statistic of observed counts against probabilities (cells with p > 0)."""
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    expected = n * probs[keep]
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+# Pearson chi-square critical values at p = 0.001 by degrees of freedom
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}
+
+
+@pytest.mark.parametrize(
+    "params, draft",
+    [
+        (SamplingParams(1.0), 0),  # a likely draft
+        (SamplingParams(1.0), 3),  # an unlikely one
+        (SamplingParams(0.7, top_k=3), 1),
+        (SamplingParams(1.0, top_p=0.85), 3),  # a draft top-p removes: always rejected
+    ],
+)
+def test_speculative_sampling_keeps_the_target_distribution(params, draft):
+    """Two positions, a deterministic drafter: the first token emitted is distributed as the
+    target's own sample at position 0, and after a kept draft the next one as position 1's
+    (chi-square at p = 0.001 on 40,000 rows); greedy rows keep drafts that equal the argmax."""
+    n, vocab = 40_000, 4
+    p0, p1 = PROBS, np.array([0.1, 0.2, 0.3, 0.4])
+    logits = jnp.log(jnp.asarray(np.stack([p0, p1, p1]), jnp.float32))[None].repeat(n, 0)
+    drafts = jnp.full((n, 2), draft, jnp.int32)
+    keys = jax.random.split(jax.random.key(7), (n, 3))
+    tokens, accepted = jax.jit(verify_drafts, static_argnames="mode")(
+        logits,
+        drafts,
+        jnp.full((n,), 2, jnp.int32),
+        keys,
+        **params.as_arrays(),
+        mode=params.mode,
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+
+    def target(p):
+        z = np.log(p) / params.temperature
+        kept = np.ones(vocab, bool)
+        order = np.argsort(-z)
+        if params.top_k:
+            kept[order[params.top_k :]] = False
+        q = np.exp(z - z.max()) * kept
+        q /= q.sum()
+        if params.top_p is not None:
+            before = np.cumsum(q[order]) - q[order]
+            kept[order[before >= params.top_p]] = False
+            q = q * kept
+            q /= q.sum()
+        return q
+
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    assert _chi_square(first, target(p0)) < CHI2_999[int((target(p0) > 0).sum()) - 1]
+    after = tokens[accepted >= 1, 1]  # the draft was kept: the next token follows p1
+    if len(after) > 1000:
+        second = np.bincount(after, minlength=vocab)
+        assert _chi_square(second, target(p1)) < CHI2_999[int((target(p1) > 0).sum()) - 1]
+    assert np.all(tokens[np.arange(n), 0][accepted >= 1] == draft)
+    # greedy: drafts kept while they equal the argmax (0, then 3), then the argmax
+    greedy = SamplingParams(0.0)
+    for d, want_tokens, want_accepted in (([0, 3], [0, 3, 3], 2), ([0, 1], [0, 3, 3], 1)):
+        t, a = verify_drafts(
+            logits[:1],
+            jnp.asarray([d], jnp.int32),
+            jnp.asarray([2], jnp.int32),
+            keys[:1],
+            **greedy.as_arrays(),
+            mode="greedy",
+        )
+        assert np.asarray(t)[0].tolist() == want_tokens and int(a[0]) == want_accepted
