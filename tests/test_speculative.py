@@ -14,8 +14,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_engine import all_free, quota_for
-from test_generate import VOCAB, dense_greedy, kv_config, make_model, prompts_of
+from test_generate import VOCAB, dense_greedy, kv_config, make_model, prompts_of, tiny_gemma4
 
 import gemma
 import swajax
@@ -66,9 +67,16 @@ def spec_engine(model, drafter, *, k, scratch=True, quota=64 << 20, ratio=None, 
     return engine
 
 
+def model_of(family):
+    if family != "gemma4_keqv":
+        return make_model(family)
+    config = tiny_gemma4(attention_k_eq_v=True, num_global_kv_heads=1, num_kv_heads=2)
+    return gemma.Transformer(config, rngs=nnx.Rngs(7), dtype=jnp.float32)
+
+
 CASES = [  # (family, scratch, k, every k-th drafted token wrong)
-    ("gemma4", True, 4, 3),
-    ("gemma4", False, 4, 5),
+    ("gemma4", True, 4, 3),  # KV-shared layers, per-layer inputs
+    ("gemma4_keqv", False, 4, 5),  # K = V in the full layers
     ("gemma3", True, 20, 7),  # drafts longer than the window
     ("gemma3", False, 6, 0),  # every draft right: acceptance 1
 ]
@@ -76,7 +84,7 @@ CASES = [  # (family, scratch, k, every k-th drafted token wrong)
 
 @pytest.mark.parametrize("family, scratch, k, wrong", CASES)
 def test_greedy_speculation_gives_the_dense_tokens(family, scratch, k, wrong):
-    model = make_model(family)
+    model = model_of(family)
     prompts = prompts_of([40, 9, 23], seed=k)
     new = 30
     expected = dense_greedy(model, prompts, new)
