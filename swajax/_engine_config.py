@@ -58,8 +58,10 @@ class EngineConfig:
         without; sampling: the same distribution). 0: off. Per request:
         `SamplingParams.num_draft_tokens`. Needs mixed steps (not batch_invariant); sliding
         layers keep at least this many tokens past their window (`max_rewind`).
-      drafter: what proposes the drafts: "ngram" (prompt lookup, `NgramDrafter`) or an object
-        with `propose(tokens, k) -> list[int]` (`swajax._drafter.Drafter`).
+      drafter: what proposes the drafts: "ngram" (prompt lookup, `NgramDrafter`), an `Engine`
+        of a smaller model of the same tokenizer (its greedy continuation, in its own KV pool:
+        `Engine.propose_batch`), or any object with `propose(tokens, k) -> list[int]`
+        (`swajax._drafter.Drafter`).
     """
 
     kv_cache: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)

@@ -217,6 +217,30 @@ class RequestAPI:
             for out in outputs:
                 yield index[out.request_id], out
 
+    def propose(self, tokens, k: int) -> list[int]:
+        """The drafter protocol (`swajax._drafter.Drafter`): this engine's greedy continuation
+        of `tokens`, k tokens (fewer where it stops or its context ends), so that an engine of
+        a smaller model of the same tokenizer drafts for a larger one
+        (`EngineConfig(drafter=draft_engine)`), in its own KV pool."""
+        return self.propose_batch([(tokens, k)])[0]
+
+    def propose_batch(self, requests) -> list[list[int]]:
+        """`propose` for several (tokens, k) at once, in one run of this engine. Its prefix
+        cache keeps each sequence between calls, so a call prefills only the tokens added
+        since the last one (those past its last whole block)."""
+        out: list[list[int]] = [[] for _ in requests]
+        room = self.layout.max_context
+        by_k: dict[int, list[tuple[int, list[int]]]] = {}
+        for i, (tokens, k) in enumerate(requests):
+            k = min(k, room - len(tokens))  # (what its context has room for)
+            if k > 0:
+                by_k.setdefault(k, []).append((i, list(tokens)))
+        for k, asks in by_k.items():  # usually one run: every row asks for the same k
+            outputs, _ = self.run([t for _, t in asks], k)
+            for (i, _), o in zip(asks, outputs, strict=True):
+                out[i] = list(o)
+        return out
+
     def run(
         self,
         prompts,

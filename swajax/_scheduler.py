@@ -634,6 +634,7 @@ class Scheduler:
         decode = [r for r in self.running if r.length - r.fed == 1]
         prefill = [r for r in self.running if r.length - r.fed > 1]
         prefill_step = not self.mixed_steps and not (decode and self._prefill_last)
+        step.drafts = self._propose(decode, step.budget)
         if self.mixed_steps:
             self._run_rows(step, decode + prefill)
         elif prefill_step:  # the decode rows wait, the slots of their next token kept free
@@ -678,7 +679,7 @@ class Scheduler:
             if r.num_draft_tokens and self.drafter is not None and r.length - r.fed == 1:
                 if r.pending:
                     continue  # its drafts follow its last token: it runs once that is read
-                drafts = self._drafts(r, step.budget)
+                drafts = step.drafts.get(r.id, [])[: step.budget - 1]
                 want += len(drafts)
             while True:
                 n = self._largest_fit(r.row, want, step.planned)
@@ -701,18 +702,31 @@ class Scheduler:
                 if newest is r:
                     break
 
-    def _drafts(self, r: Request, budget: int) -> list[int]:
-        """The drafter's tokens for r's next step: at most its num_draft_tokens, the tokens it
-        may still generate less one, what its row and the budget have room for."""
-        k = min(
-            r.num_draft_tokens,
-            r.max_new_tokens - r.num_generated - 1,
-            self.ledger.layout.max_context - r.length,
-            budget - 1,
-        )
-        if k <= 0:
-            return []
-        return [int(t) for t in self.drafter.propose(r.tokens(0, r.length), k)[:k]]
+    def _propose(self, decode: list[Request], budget: int) -> dict[int, list[int]]:
+        """The drafter's tokens for each speculating request in decode whose last token is
+        known (request id -> drafts), asked for all at once (`propose_batch` where the
+        drafter has it): at most its num_draft_tokens, the tokens it may still generate less
+        one, what its row and the budget have room for."""
+        if self.drafter is None:
+            return {}
+        wanted = []
+        for r in decode:
+            if not r.num_draft_tokens or r.pending:
+                continue
+            k = min(
+                r.num_draft_tokens,
+                r.max_new_tokens - r.num_generated - 1,
+                self.ledger.layout.max_context - r.length,
+                budget - 1,
+            )
+            if k > 0:
+                wanted.append((r, k))
+        if not wanted:
+            return {}
+        asks = [(r.tokens(0, r.length), k) for r, k in wanted]
+        batch = getattr(self.drafter, "propose_batch", None)
+        got = batch(asks) if batch is not None else [self.drafter.propose(*a) for a in asks]
+        return {r.id: [int(t) for t in g[:k]] for (r, k), g in zip(wanted, got, strict=True)}
 
     def _admit(self, step: _Step) -> None:
         """Admits waiting requests in arrival order while rows, budget and slots last (see the
@@ -818,6 +832,7 @@ class _Step:
         self.planned = [0] * len(scheduler.ledger.free)
         self.budget = scheduler.max_num_tokens
         self.protect: set[Node] = set()
+        self.drafts: dict[int, list[int]] = {}  # request id -> the drafter's tokens
 
     def take(self, r: Request, n: int) -> None:
         """Row r feeds n tokens this step."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,3 +181,35 @@ def test_rewind_transform_and_config_errors():
         swajax.EngineConfig(num_draft_tokens=2, drafter="eagle")
     with pytest.raises(ValueError, match="num_draft_tokens must be None or an int"):
         swajax.SamplingParams(num_draft_tokens=-1)
+
+
+def test_an_engine_of_a_draft_model_drafts_in_its_own_pool():
+    """`EngineConfig(drafter=engine)`: the draft model's greedy continuation, computed in its
+    own engine and pool, each call prefilling only what its prefix cache lacks. The target as
+    its own drafter keeps every draft; a perturbed copy keeps some; the tokens are the dense
+    forward's either way."""
+    model = make_model("gemma4")
+    prompts = prompts_of([30, 12], seed=21)
+    new = 14
+    expected = dense_greedy(model, prompts, new)
+    graphdef, state = nnx.split(model)
+    noise = jax.tree.map(
+        lambda x: x * (1 + 0.3 * jax.random.normal(jax.random.key(1), x.shape, x.dtype)), state
+    )
+    for draft_model, all_kept in ((model, True), (nnx.merge(graphdef, noise), False)):
+        draft = swajax.Engine(
+            draft_model,
+            kv_config(True),
+            max_context=160,
+            max_batch=2,
+            prefill_chunk_size=32,
+            max_num_tokens=64,
+            min_prefill_bucket=64,
+            implementation="reference",
+        )
+        engine = spec_engine(model, draft, k=4, max_batch=2)
+        out, stats = engine.run(prompts, new)
+        assert out == expected
+        assert (stats.acceptance_rate == 1.0) == all_kept and stats.accepted_tokens > 0
+        assert draft.scheduler.counters.prefix_hits > 0  # earlier calls' sequences reused
+        assert all_free(engine) and all_free(draft)
