@@ -509,6 +509,26 @@ def test_bench_moe_quick(tmp_path):
     assert rec["moved_bytes"] == rec["active_bytes"] == rec["active_experts"] * 3 * 128 * 64 * 2
 
 
+# ----------------------------------------------------------------------------- bench_speculative
+bench_speculative = _load("bench_speculative")
+
+
+def test_bench_speculative_quick(tmp_path):
+    """The speculative-decoding benchmark on a small preset: every cell gives the baseline's
+    greedy tokens, and the oracle drafter at rate 1.0 keeps every draft, k + 1 tokens a step."""
+    out = tmp_path / "spec.json"
+    argv = ["--quick", "--target", "gemma3_1b", "--drafters", "none,ngram,oracle:1.0"]
+    res = bench_speculative.main(
+        [*argv, "--batches", "2", "--prompts", "repetitive", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["records"] == res["records"]
+    none, ngram, oracle = res["records"]
+    assert all(r["ok"] and r["same_tokens_as_none"] for r in res["records"])
+    assert none["draft_tokens"] == 0 and ngram["draft_tokens"] > 0
+    assert oracle["acceptance_rate"] == 1.0 and oracle["tokens_per_decode_step"] > 3
+    assert res["git_commit"] and res["parameters"]["k"] == 4
+
+
 def test_swa_scratch_combine_keeps_one_commit_and_one_workload(tmp_path):
     """`--combine`: the per-call files of one commit and workload make one table; a file of
     another commit or workload, or a cell in two files, is refused."""
