@@ -85,6 +85,11 @@ for stage in "$@"; do
         run "serve_$m" "${STAGE_LIMIT_serve:-240}" python3 experiments/bench_serve.py \
           --model "preset:$m" --rates "${RATES:-2,8,inf}" --chat --out "$OUT/serve_${m}_h200.json"
       done ;;
+    spec)  # TARGET=gemma3_27b [DRAFTERS=none,ngram,model:gemma3_1b,oracle:1.0,oracle:0.5]
+      t=${TARGET:-gemma3_27b}
+      run "spec_$t" "${STAGE_LIMIT_spec:-560}" python3 experiments/bench_speculative.py \
+        --target "$t" ${DRAFTERS:+--drafters $DRAFTERS} --batches "${BATCHES:-1,8,32}" \
+        --out "$OUT/speculative_${t}_h200.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
