@@ -23,7 +23,9 @@ def _session_compilation_cache() -> None:
     path = os.path.join(tempfile.gettempdir(), f"swajax-test-jax-cache-{run}")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Only programs that took a while to compile: the thousands of small ops a suite compiles
+    # cost more to serialise and write than to compile again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # A size bound turns on the cache's file lock around every read and write: without it
     # one worker can read an entry another is still writing (a torn executable; the suite
