@@ -5,7 +5,7 @@
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
         [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas] \\
-        [--no-prefix-caching]
+        [--no-prefix-caching] [--num-draft-tokens K]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
     python -m swajax serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] \
         [--max-waiting N] [engine options of generate]
@@ -85,6 +85,7 @@ def _int_at_least(minimum: int):
 
 
 _positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 _non_negative_int = _int_at_least(0)
 
 
@@ -223,6 +224,13 @@ def _engine_options(q):
         action="store_true",
         help="turn automatic prefix caching off (on by default)",
     )
+    q.add_argument(
+        "--num-draft-tokens",
+        type=_nonnegative_int,
+        default=0,
+        help="speculative decoding with prompt-lookup drafts: most drafted tokens per step "
+        "(default 0: off)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -337,6 +345,7 @@ def _engine_config(args, cfg: KVCacheConfig) -> EngineConfig:
         prefill_chunk_size=args.prefill_chunk,
         implementation=args.implementation,
         enable_prefix_caching=not args.no_prefix_caching,
+        num_draft_tokens=args.num_draft_tokens,
     )
 
 

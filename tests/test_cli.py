@@ -209,6 +209,7 @@ GENERATE_BAD = [
     ("--max-batch", "0", "must be an int >= 1, got 0"),
     ("--page-size", "0", "must be an int >= 1, got 0"),
     ("--top-k", "-1", "must be an int >= 0, got -1"),
+    ("--num-draft-tokens", "-2", "must be an int >= 0, got -2"),
     ("--seed", "-1", r"must be an integer in \[0, 2\*\*63 - 1\], got '-1'"),
     ("--seed", str(2**63), r"must be an integer in \[0, 2\*\*63 - 1\]"),
 ]
@@ -235,6 +236,15 @@ def test_generate_rejects_out_of_range_integers(tmp_path, capsys, no_model, opti
     err = capsys.readouterr().err
     assert "error: argument " + option in err
     assert re.search(match, err), err
+
+
+def test_engine_options_reach_the_engine_config():
+    args = cli._parser().parse_args(
+        ["serve", "--model", "preset:gemma4_e2b", "--num-draft-tokens", "3", "--no-prefix-caching"]
+    )
+    config = cli._engine_config(args, swajax.KVCacheConfig())
+    assert config.num_draft_tokens == 3 and config.drafter == "ngram"
+    assert not config.enable_prefix_caching
 
 
 @pytest.mark.parametrize("name", ["input_len", "chunk", "max_context", "max_batch"])
