@@ -299,6 +299,10 @@ class Server:
         )
         self.m_prompt = Counter("swajax_prompt_tokens", "prompt tokens admitted", registry=r)
         self.m_preempt = Counter("swajax_preemptions", "requests preempted", registry=r)
+        self.m_drafted = Counter(
+            "swajax_draft_tokens", "drafted tokens verified (speculative decoding)", registry=r
+        )
+        self.m_accepted = Counter("swajax_accepted_draft_tokens", "drafted tokens kept", registry=r)
         self.m_ttft = Histogram("swajax_time_to_first_token_seconds", "TTFT", registry=r)
         self.m_itl = Histogram("swajax_inter_token_latency_seconds", "ITL", registry=r)
         self.m_requests = Counter(
@@ -317,6 +321,8 @@ class Server:
         c = engine.replicas.counters()
         self.m_prefix.inc(c.prefix_tokens - self._counted.prefix_tokens)
         self.m_preempt.inc(c.preemptions - self._counted.preemptions)
+        self.m_drafted.inc(c.draft_tokens - self._counted.draft_tokens)
+        self.m_accepted.inc(c.accepted_tokens - self._counted.accepted_tokens)
         self._counted = c
 
     def waiting(self) -> int:

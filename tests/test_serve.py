@@ -127,6 +127,7 @@ def test_completions_chat_and_streaming_equal_the_library(served, tiny):
         "swajax_prefix_cache_hit",
         "swajax_time_to_first_token_seconds",
         "swajax_inter_token_latency_seconds",
+        "swajax_draft_tokens",
     ):
         assert name in metrics, name
 
