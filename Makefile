@@ -26,17 +26,23 @@ run: $(VENV)/.stamp
 demo: $(VENV)/.stamp
 	$(PY) experiments/quickstart.py
 
+# A test whose xdist worker dies (XLA's CPU compiler and its executable serialiser segfault
+# now and then under jaxlib 0.11: experiments/notes/engine.md v23) runs once more in a fresh
+# worker; a test that fails is never run again.
 test: $(VENV)/.stamp
 	$(PY) -m ruff check swajax pallas_kernels gemma experiments tests
 	$(PY) -m ruff format --check swajax pallas_kernels gemma experiments tests
-	$(PY) -m pytest -m "not gpu" -n 2 -q
+	$(PY) -m pytest -m "not gpu" -n 2 -q --reruns 1 --only-rerun "worker '.*' crashed while running"
 
 # The tiny trained example model (committed under experiments/tiny_model/; this rebuilds it,
 # with its Orbax twin in experiments/tiny_model_orbax/). A few CPU minutes.
 tiny-model: $(VENV)/.stamp
 	$(PY) experiments/train_tiny.py
 
-gpu-test: $(VENV)/.stamp
+gpu-# A test whose xdist worker dies (XLA's CPU compiler and its executable serialiser segfault
+# now and then under jaxlib 0.11: experiments/notes/engine.md v23) runs once more in a fresh
+# worker; a test that fails is never run again.
+test: $(VENV)/.stamp
 	$(PY) -m pytest -m gpu -q
 
 lint: $(VENV)/.stamp
