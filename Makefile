@@ -39,10 +39,7 @@ test: $(VENV)/.stamp
 tiny-model: $(VENV)/.stamp
 	$(PY) experiments/train_tiny.py
 
-gpu-# A test whose xdist worker dies (XLA's CPU compiler and its executable serialiser segfault
-# now and then under jaxlib 0.11: experiments/notes/engine.md v23) runs once more in a fresh
-# worker; a test that fails is never run again.
-test: $(VENV)/.stamp
+gpu-test: $(VENV)/.stamp
 	$(PY) -m pytest -m gpu -q
 
 lint: $(VENV)/.stamp
