@@ -3,8 +3,9 @@
 A drafter proposes up to k tokens to follow a sequence; the engine feeds them after the
 request's last token in one step, the target model scores every position, and the request keeps
 the longest run it agrees with (`swajax._sampling.verify_drafts`), so the output is the
-target's whatever the drafter proposes. A drafter is host-side and pure Python: it sees the
-request's tokens (prompt and output so far) and nothing else.
+target's whatever the drafter proposes. A drafter sees the request's tokens (prompt and output
+so far) and nothing else. Besides `NgramDrafter` here, any `swajax.Engine` is a drafter
+(`Engine.propose` / `propose_batch`: its model's greedy continuation, in its own KV pool).
 
 `NgramDrafter` is prompt-lookup decoding: the last n tokens are looked up earlier in the
 sequence (n from `max_n` down to `min_n`, the most recent match first), and the tokens that
