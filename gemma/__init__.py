@@ -11,6 +11,11 @@ import importlib
 
 # Public names and the module each lives in.
 _EXPORTS = {
+    "AssistantConfig": "gemma._assistant",
+    "Gemma4Assistant": "gemma._assistant",
+    "assistant_config_from_hf": "gemma._assistant",
+    "draft_reference": "gemma._assistant",
+    "load_assistant": "gemma._assistant",
     "LayerRef": "gemma._hook",
     "LayerSpec": "gemma._hook",
     "SUPPORTED_ARCHITECTURES": "gemma._checkpoint",

@@ -197,6 +197,104 @@ class _Entry(NamedTuple):
         return np.asarray(value if self.index is None else value[self.index])
 
 
+def _transpose(w):  # [out, in] <-> [in, out]
+    return w.T
+
+
+def _same(w):
+    return w
+
+
+def _block_entries(c: TransformerConfig, i: int, layer, p: str, add) -> None:
+    """The HF tensors of one decoder layer (`layer`, with config c's layer i geometry) under
+    prefix p, each passed to add(name, shape, var, to_model, to_hf)."""
+    transpose = _transpose
+    d = c.hidden_size
+    t = c.layer_types[i]
+    n, h, kv = c.num_heads, c.type_head_dim(t), c.type_num_kv_heads(t)
+    attn = layer.attn
+    add(p + "input_layernorm.weight", (d,), layer.pre_attention_norm.scale)
+    add(p + "post_attention_layernorm.weight", (d,), layer.post_attention_norm.scale)
+    add(p + "pre_feedforward_layernorm.weight", (d,), layer.pre_ffw_norm.scale)
+    add(p + "post_feedforward_layernorm.weight", (d,), layer.post_ffw_norm.scale)
+    # [N*H, D] <-> [D, N, H]
+    add(
+        p + "self_attn.q_proj.weight",
+        (n * h, d),
+        attn.q_proj,
+        lambda w, n=n, h=h: w.reshape(n, h, -1).transpose(2, 0, 1),
+        lambda w, n=n, h=h: w.transpose(1, 2, 0).reshape(n * h, -1),
+    )
+    # [D, N*H] <-> [N, H, D]
+    add(
+        p + "self_attn.o_proj.weight",
+        (d, n * h),
+        attn.o_proj,
+        lambda w, n=n, h=h: w.T.reshape(n, h, -1),
+        lambda w, n=n, h=h: w.reshape(n * h, -1).T,
+    )
+    add(p + "self_attn.q_norm.weight", (h,), attn.q_norm.scale)
+    if attn.writes_kv:
+        # [K*H, D] <-> [D, K, H]
+        to_dkh = lambda w, kv=kv, h=h: w.reshape(kv, h, -1).transpose(2, 0, 1)  # noqa: E731
+        from_dkh = lambda w, kv=kv, h=h: w.transpose(1, 2, 0).reshape(kv * h, -1)  # noqa: E731
+        add(p + "self_attn.k_proj.weight", (kv * h, d), attn.k_proj, to_dkh, from_dkh)
+        if attn.v_proj is not None:
+            add(p + "self_attn.v_proj.weight", (kv * h, d), attn.v_proj, to_dkh, from_dkh)
+        add(p + "self_attn.k_norm.weight", (h,), attn.k_norm.scale)
+    f = c.mlp_width(i)
+    add(p + "mlp.gate_proj.weight", (f, d), layer.mlp.gate_proj, transpose, transpose)
+    add(p + "mlp.up_proj.weight", (f, d), layer.mlp.up_proj, transpose, transpose)
+    add(p + "mlp.down_proj.weight", (d, f), layer.mlp.down_proj, transpose, transpose)
+    if layer.moe is not None:
+        e, fm = c.num_experts, c.moe_intermediate_size
+        moe = layer.moe
+        add(p + "router.proj.weight", (e, d), moe.router_proj, transpose, transpose)
+        add(p + "router.scale", (d,), moe.router_scale)
+        add(p + "router.per_expert_scale", (e,), moe.per_expert_scale)
+
+        def experts_t(w):  # [E, F, D] <-> [E, D, F]
+            return w.transpose(0, 2, 1)
+
+        add(
+            p + "experts.gate_up_proj",
+            (e, 2 * fm, d),
+            moe.gate_proj,
+            lambda w, fm=fm: experts_t(w[:, :fm, :]),
+            experts_t,
+        )
+        add(
+            p + "experts.gate_up_proj",
+            (e, 2 * fm, d),
+            moe.up_proj,
+            lambda w, fm=fm: experts_t(w[:, fm:, :]),
+            experts_t,
+        )
+        add(p + "experts.down_proj", (e, d, fm), moe.down_proj, experts_t, experts_t)
+        add(p + "post_feedforward_layernorm_1.weight", (d,), layer.post_ffw_norm_1.scale)
+        add(p + "pre_feedforward_layernorm_2.weight", (d,), layer.pre_ffw_norm_2.scale)
+        add(p + "post_feedforward_layernorm_2.weight", (d,), layer.post_ffw_norm_2.scale)
+    if layer.per_layer_input_gate is not None:
+        pd = c.per_layer_input_dim
+        add(
+            p + "per_layer_input_gate.weight",
+            (pd, d),
+            layer.per_layer_input_gate,
+            transpose,
+            transpose,
+        )
+        add(
+            p + "per_layer_projection.weight",
+            (d, pd),
+            layer.per_layer_projection,
+            transpose,
+            transpose,
+        )
+        add(p + "post_per_layer_input_norm.weight", (d,), layer.post_per_layer_input_norm.scale)
+    if layer.layer_scalar is not None:
+        add(p + "layer_scalar", (1,), layer.layer_scalar)
+
+
 def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
     """Every tensor of the HF checkpoint of `config`, in HF's order, with both conversions.
 
@@ -207,15 +305,9 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
     d = c.hidden_size
     entries: list[_Entry] = []
 
-    def transpose(w):  # [out, in] <-> [in, out]
-        return w.T
-
-    def same(w):
-        return w
-
     index = None  # the current layer's index in its stacked Variables
 
-    def add(name, shape, var, to_model=same, to_hf=same):
+    def add(name, shape, var, to_model=_same, to_hf=_same):
         entries.append(_Entry(name, tuple(shape), var, to_model, to_hf, index))
 
     add("embed_tokens.weight", (c.vocab_size, d), model.embedding)
@@ -228,8 +320,8 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
             "per_layer_model_projection.weight",
             (width, d),
             model.per_layer_model_projection,
-            transpose,
-            transpose,
+            _transpose,
+            _transpose,
         )
         add(
             "per_layer_projection_norm.weight",
@@ -238,93 +330,10 @@ def _hf_layout(config: TransformerConfig, model: Transformer) -> list[_Entry]:
         )
     for i in range(c.num_layers):
         layer, index = model.layer_block(i)
-        p = f"layers.{i}."
-        t = c.layer_types[i]
-        n, h, kv = c.num_heads, c.type_head_dim(t), c.type_num_kv_heads(t)
-        attn = layer.attn
-        add(p + "input_layernorm.weight", (d,), layer.pre_attention_norm.scale)
-        add(p + "post_attention_layernorm.weight", (d,), layer.post_attention_norm.scale)
-        add(p + "pre_feedforward_layernorm.weight", (d,), layer.pre_ffw_norm.scale)
-        add(p + "post_feedforward_layernorm.weight", (d,), layer.post_ffw_norm.scale)
-        # [N*H, D] <-> [D, N, H]
-        add(
-            p + "self_attn.q_proj.weight",
-            (n * h, d),
-            attn.q_proj,
-            lambda w, n=n, h=h: w.reshape(n, h, -1).transpose(2, 0, 1),
-            lambda w, n=n, h=h: w.transpose(1, 2, 0).reshape(n * h, -1),
-        )
-        # [D, N*H] <-> [N, H, D]
-        add(
-            p + "self_attn.o_proj.weight",
-            (d, n * h),
-            attn.o_proj,
-            lambda w, n=n, h=h: w.T.reshape(n, h, -1),
-            lambda w, n=n, h=h: w.reshape(n * h, -1).T,
-        )
-        add(p + "self_attn.q_norm.weight", (h,), attn.q_norm.scale)
-        if attn.writes_kv:
-            # [K*H, D] <-> [D, K, H]
-            to_dkh = lambda w, kv=kv, h=h: w.reshape(kv, h, -1).transpose(2, 0, 1)  # noqa: E731
-            from_dkh = lambda w, kv=kv, h=h: w.transpose(1, 2, 0).reshape(kv * h, -1)  # noqa: E731
-            add(p + "self_attn.k_proj.weight", (kv * h, d), attn.k_proj, to_dkh, from_dkh)
-            if attn.v_proj is not None:
-                add(p + "self_attn.v_proj.weight", (kv * h, d), attn.v_proj, to_dkh, from_dkh)
-            add(p + "self_attn.k_norm.weight", (h,), attn.k_norm.scale)
-        f = c.mlp_width(i)
-        add(p + "mlp.gate_proj.weight", (f, d), layer.mlp.gate_proj, transpose, transpose)
-        add(p + "mlp.up_proj.weight", (f, d), layer.mlp.up_proj, transpose, transpose)
-        add(p + "mlp.down_proj.weight", (d, f), layer.mlp.down_proj, transpose, transpose)
-        if layer.moe is not None:
-            e, fm = c.num_experts, c.moe_intermediate_size
-            moe = layer.moe
-            add(p + "router.proj.weight", (e, d), moe.router_proj, transpose, transpose)
-            add(p + "router.scale", (d,), moe.router_scale)
-            add(p + "router.per_expert_scale", (e,), moe.per_expert_scale)
-
-            def experts_t(w):  # [E, F, D] <-> [E, D, F]
-                return w.transpose(0, 2, 1)
-
-            add(
-                p + "experts.gate_up_proj",
-                (e, 2 * fm, d),
-                moe.gate_proj,
-                lambda w, fm=fm: experts_t(w[:, :fm, :]),
-                experts_t,
-            )
-            add(
-                p + "experts.gate_up_proj",
-                (e, 2 * fm, d),
-                moe.up_proj,
-                lambda w, fm=fm: experts_t(w[:, fm:, :]),
-                experts_t,
-            )
-            add(p + "experts.down_proj", (e, d, fm), moe.down_proj, experts_t, experts_t)
-            add(p + "post_feedforward_layernorm_1.weight", (d,), layer.post_ffw_norm_1.scale)
-            add(p + "pre_feedforward_layernorm_2.weight", (d,), layer.pre_ffw_norm_2.scale)
-            add(p + "post_feedforward_layernorm_2.weight", (d,), layer.post_ffw_norm_2.scale)
-        if layer.per_layer_input_gate is not None:
-            pd = c.per_layer_input_dim
-            add(
-                p + "per_layer_input_gate.weight",
-                (pd, d),
-                layer.per_layer_input_gate,
-                transpose,
-                transpose,
-            )
-            add(
-                p + "per_layer_projection.weight",
-                (d, pd),
-                layer.per_layer_projection,
-                transpose,
-                transpose,
-            )
-            add(p + "post_per_layer_input_norm.weight", (d,), layer.post_per_layer_input_norm.scale)
-        if layer.layer_scalar is not None:
-            add(p + "layer_scalar", (1,), layer.layer_scalar)
+        _block_entries(c, i, layer, f"layers.{i}.", add)
     index = None
     if not c.tie_word_embeddings:
-        add("/lm_head.weight", (c.vocab_size, d), model.lm_head, transpose, transpose)
+        add("/lm_head.weight", (c.vocab_size, d), model.lm_head, _transpose, _transpose)
     return entries
 
 

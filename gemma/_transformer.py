@@ -166,8 +166,10 @@ class Transformer(nnx.Module):
         attention_fn,
         attention_state,
         logits_indices=None,
+        return_hidden=False,
     ):
-        """Logits f32[..., T, V] and the final attention_state, with attention through the hook.
+        """Logits f32[..., T, V] and the final attention_state, with attention through the hook
+        (and, with return_hidden, the final normed hidden states [..., T or M, D] last).
 
         Args:
           tokens: i32[B, T] or packed i32[T]. Ids outside the vocabulary raise
@@ -238,6 +240,8 @@ class Transformer(nnx.Module):
         if c.final_logit_softcap is not None:
             cap = jnp.float32(c.final_logit_softcap)
             logits = jnp.tanh(logits / cap) * cap
+        if return_hidden:
+            return logits.astype(jnp.float32), attention_state, x
         return logits.astype(jnp.float32), attention_state
 
     def _per_layer_inputs(self, tokens, x):

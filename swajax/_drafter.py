@@ -7,6 +7,11 @@ target's whatever the drafter proposes. A drafter sees the request's tokens (pro
 so far) and nothing else. Besides `NgramDrafter` here, any `swajax.Engine` is a drafter
 (`Engine.propose` / `propose_batch`: its model's greedy continuation, in its own KV pool).
 
+A Gemma 4 assistant (`gemma.Gemma4Assistant`, Gemma 4's multi-token-prediction drafter) is
+not called here: it drafts inside every step, on the target's final hidden state and the K/V
+in the target's pages (`swajax._runner`), and the scheduler takes a request's drafts from the
+step that drew its last token (`is_in_step`).
+
 `NgramDrafter` is prompt-lookup decoding: the last n tokens are looked up earlier in the
 sequence (n from `max_n` down to `min_n`, the most recent match first), and the tokens that
 followed the match are proposed. It needs no model and gains where outputs repeat their
@@ -25,6 +30,13 @@ class Drafter(Protocol):
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens expected after `tokens` (fewer, or none, when it has no guess)."""
         ...
+
+
+def is_in_step(drafter) -> bool:
+    """Whether `drafter` drafts inside the step (a `gemma.Gemma4Assistant`)."""
+    from gemma._assistant import Gemma4Assistant
+
+    return isinstance(drafter, Gemma4Assistant)
 
 
 class NgramDrafter:

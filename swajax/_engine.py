@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from swajax import _sharding, _validate
 from swajax._budget import (
@@ -52,7 +53,7 @@ from swajax._budget import (
 )
 from swajax._compilation_cache import enable_default_cache
 from swajax._config import resolve_scratch_policy
-from swajax._drafter import NgramDrafter
+from swajax._drafter import NgramDrafter, is_in_step
 from swajax._engine_config import EngineConfig
 from swajax._layout import build_layout, with_num_slots
 from swajax._model_runner import ModelRunner
@@ -88,13 +89,26 @@ class Engine(RequestAPI):
         model_config = model.config
         cfg = EngineConfig.of(config, **settings).resolved(model_config.max_context)
         kv = cfg.kv_cache
+        in_step = cfg.num_draft_tokens > 0 and is_in_step(cfg.drafter)
         scratch = resolve_scratch_policy(
             kv,
             is_multimodal=getattr(model_config, "is_multimodal", False),
-            has_external_kv_draft=getattr(model_config, "has_external_kv_draft", False),
+            has_external_kv_draft=getattr(model_config, "has_external_kv_draft", False) or in_step,
         )
         mesh = None if cfg.mesh is None else _sharding.serving_mesh(cfg.mesh)
         dp, tp = (1, 1) if mesh is None else _sharding.mesh_sizes(mesh)
+        assistant = None
+        if in_step:
+            sources = cfg.drafter.config.sources(model_config)  # ValueError if it does not fit
+            if tp > 1:
+                raise ValueError(
+                    f"a Gemma 4 assistant drafter runs on one device or data-parallel replicas, "
+                    f"not under tensor parallelism (the mesh's model axis is {tp})"
+                )
+            a_graphdef, a_params = nnx.split(cfg.drafter)
+            if mesh is not None:
+                a_params = jax.device_put(a_params, NamedSharding(mesh, PartitionSpec()))
+            assistant = (a_graphdef, a_params, sources)
         if cfg.batch_invariant and dp > 1:
             raise ValueError(
                 f"batch_invariant=True needs one data-parallel replica, got {dp}: one step runs "
@@ -128,13 +142,15 @@ class Engine(RequestAPI):
             min_prefill_bucket=cfg.min_prefill_bucket,
             max_cache_ops=min(16, cfg.max_batch) if cfg.enable_prefix_caching else 0,
             draft_tokens=cfg.num_draft_tokens,
+            assistant=assistant,
             implementation=cfg.implementation,
             mesh=mesh,
             num_replicas=dp,
         )
         self._drafter = None
         if cfg.num_draft_tokens:
-            self._drafter = NgramDrafter() if cfg.drafter == "ngram" else cfg.drafter
+            ngram = isinstance(cfg.drafter, str) and cfg.drafter == "ngram"
+            self._drafter = NgramDrafter() if ngram else cfg.drafter
         self._front = Front()
         self._step_lock = threading.Lock()
         self._recordings: list[Recording] = []  # open `recording` blocks
@@ -326,8 +342,11 @@ class Engine(RequestAPI):
             before = {row: len(r.output) for row, (r, _) in samples.items()}
             tokens = {row: res.tokens(row) for row in samples}
             finite = {row: bool(res.finite[row]) for row in samples}
+            proposals = None
+            if res.proposals is not None:
+                proposals = {row: [int(t) for t in res.proposals[row]] for row in samples}
             scheduler = schedulers[i % len(schedulers)]
-            changed = set(scheduler.update_from_output(res.plan, tokens, finite))
+            changed = set(scheduler.update_from_output(res.plan, tokens, finite, proposals))
             for row, (r, _) in samples.items():
                 if r not in changed:
                     continue

@@ -13,6 +13,7 @@ import dataclasses
 
 from swajax import _validate
 from swajax._config import KVCacheConfig
+from swajax._drafter import is_in_step
 
 DEFAULT_MAX_BATCH = 16
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -60,8 +61,12 @@ class EngineConfig:
         layers keep at least this many tokens past their window (`max_rewind`).
       drafter: what proposes the drafts: "ngram" (prompt lookup, `NgramDrafter`), an `Engine`
         of a smaller model of the same tokenizer (its greedy continuation, in its own KV pool:
-        `Engine.propose_batch`), or any object with `propose(tokens, k) -> list[int]`
-        (`swajax._drafter.Drafter`).
+        `Engine.propose_batch`), any object with `propose(tokens, k) -> list[int]`
+        (`swajax._drafter.Drafter`), or a Gemma 4 assistant (`gemma.Gemma4Assistant`,
+        `gemma.load_assistant`): a multi-token-prediction drafter that runs inside each step
+        on the target's hidden state and KV pages (`swajax._drafter.is_in_step`; one device
+        or data-parallel replicas; SWA scratch reuse then defaults to off, as the design's
+        policy has it for external shared-KV drafters).
     """
 
     kv_cache: KVCacheConfig = dataclasses.field(default_factory=KVCacheConfig)
@@ -97,10 +102,14 @@ class EngineConfig:
         if isinstance(h, bool) or not isinstance(h, float | int) or not 0 <= h < 1:
             raise ValueError(f"admission_headroom must be in [0, 1), got {h!r}")
         _validate.positive_int("num_draft_tokens", self.num_draft_tokens, minimum=0)
-        if not (self.drafter == "ngram" or callable(getattr(self.drafter, "propose", None))):
+        if not (
+            (isinstance(self.drafter, str) and self.drafter == "ngram")
+            or callable(getattr(self.drafter, "propose", None))
+            or is_in_step(self.drafter)
+        ):
             raise ValueError(
-                "drafter must be 'ngram' or an object with propose(tokens, k), got "
-                f"{self.drafter!r}"
+                "drafter must be 'ngram', an object with propose(tokens, k) or a "
+                f"gemma.Gemma4Assistant, got {self.drafter!r}"
             )
         if self.num_draft_tokens and self.batch_invariant:
             raise ValueError(

@@ -69,6 +69,7 @@ class StepResult:
     logits: np.ndarray | None  # f32[B, V], when the step returned them
     drafted: np.ndarray | None = None  # i32[B, K + 1] with speculative decoding
     accepted: np.ndarray | None = None  # i32[B] drafts each row kept
+    proposals: np.ndarray | None = None  # i32[B, K] next drafts, from an in-step drafter
 
     def tokens(self, row: int) -> int | list[int]:
         """What row `row` emits: its token, or with drafts its kept drafts then its token."""
@@ -122,6 +123,9 @@ class ModelRunner:
       draft_tokens: most drafted tokens a row feeds in one step (speculative decoding; 0:
         none). Steps of decode rows with drafts run at a token axis of max_batch x
         (draft_tokens + 1).
+      assistant: (graphdef, params, sources) of an in-step drafter (a `gemma.Gemma4Assistant`
+        split by `nnx.split`, the target layer each of its layers reads), or None. Every step
+        then also returns each row's next draft_tokens drafts.
       implementation: the attention kernels.
       mesh: a serving mesh (`swajax._sharding.serving_mesh`) or None; num_replicas its dp.
     """
@@ -137,10 +141,13 @@ class ModelRunner:
         max_cache_ops: int,
         implementation: str,
         draft_tokens: int = 0,
+        assistant=None,
         mesh=None,
         num_replicas: int = 1,
     ):
         self.graphdef, self.params = graphdef, params
+        self.assistant = None if assistant is None else (assistant[0], tuple(assistant[2]))
+        self.assistant_params = None if assistant is None else assistant[1]
         self.max_num_tokens = max_num_tokens
         self.min_prefill_bucket = min(min_prefill_bucket, max_num_tokens)
         self.max_cache_ops = max_cache_ops
@@ -294,7 +301,7 @@ class ModelRunner:
             )
             for plan in plans
         ]
-        args = (self.params, self.state, self.tables, self.prev_tokens, self._joined(inputs))
+        args = (self._step_params, self.state, self.tables, self.prev_tokens, self._joined(inputs))
         step = self._compiled.get(shape)
         if step is None:
             step = self._compiled[shape] = resolve(self._step_function(shape), args)
@@ -313,12 +320,14 @@ class ModelRunner:
         next_tokens = np.asarray(out.next_tokens).reshape(dp, -1)
         finite = np.asarray(out.finite).reshape(dp, -1)
         ok, used = np.asarray(out.ok).reshape(dp), np.asarray(out.used).reshape(dp, -1)
-        logits = drafted = accepted = None
+        logits = drafted = accepted = proposals = None
         if out.logits is not None:
             logits = np.asarray(out.logits).reshape(dp, -1, out.logits.shape[-1])
         if out.drafted is not None:
             drafted = np.asarray(out.drafted).reshape(dp, -1, out.drafted.shape[-1])
             accepted = np.asarray(out.accepted).reshape(dp, -1)
+        if out.proposals is not None:
+            proposals = np.asarray(out.proposals).reshape(dp, -1, out.proposals.shape[-1])
         for plan, ok_r, used_r in zip(plans, ok, used, strict=True):
             if not bool(ok_r):
                 raise RuntimeError(
@@ -339,6 +348,7 @@ class ModelRunner:
                 None if logits is None else logits[i],
                 None if drafted is None else drafted[i],
                 None if accepted is None else accepted[i],
+                None if proposals is None else proposals[i],
             )
             for i, plan in enumerate(plans)
         ]
@@ -390,6 +400,7 @@ class ModelRunner:
             logits=shape.logits,
             mesh=self.mesh,
             draft_tokens=self.draft_tokens,
+            assistant=self.assistant,
         )
 
     # ------------------------------------------------------------------ compilation
@@ -423,7 +434,12 @@ class ModelRunner:
                 ),
                 inputs,
             )
-        return (self.params, self.state, self.tables, self.prev_tokens, inputs)
+        return (self._step_params, self.state, self.tables, self.prev_tokens, inputs)
+
+    @property
+    def _step_params(self):
+        """The step's parameters: the model's, or (the model's, the in-step drafter's)."""
+        return self.params if self.assistant is None else (self.params, self.assistant_params)
 
     def precompile(self, modes=("greedy",)) -> None:
         """Compiles every step shape for the sampling modes, in threads."""

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gemma._hook import LayerRef
 from swajax import _sharding, _step_cache
 from swajax._layout import KVLayout
 from swajax._paged import make_attention_fn, token_positions
@@ -41,6 +42,7 @@ from swajax._sampling import sample, token_keys, verify_drafts
 from swajax._scheduler import StepPlan
 from swajax._state import KVPoolState
 from swajax._transforms import (
+    StepMetadata,
     adopt,
     advance,
     free_rows,
@@ -88,6 +90,9 @@ class StepOutput(NamedTuple):
     # drafted[b, : accepted[b] + 1] (its kept drafts, then next_tokens[b]); None otherwise.
     drafted: jax.Array | None = None  # i32[B, K + 1]
     accepted: jax.Array | None = None  # i32[B]
+    # With an in-step drafter (a Gemma 4 assistant): each row's K drafts to follow the tokens
+    # it emits in this step; None otherwise.
+    proposals: jax.Array | None = None  # i32[B, K]
 
 
 def bookkeeping_before(layout, state, rewind_to, free_a, release, park_a, adopt_ops, free_b):
@@ -114,7 +119,10 @@ def _step(
     sampling_mode: str,
     return_logits: bool,
     draft_tokens: int = 0,
+    assistant=None,
 ) -> StepOutput:
+    if assistant is not None:  # the step's parameters: (the target's, the assistant's)
+        params, assistant_params = params
     ok, state = bookkeeping_before(
         layout,
         state,
@@ -151,12 +159,13 @@ def _step(
     # of row b is its token q_end - 1 - num_drafts + j (clipped to its last)
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     at = jnp.clip(last[:, None] - inputs.num_drafts[:, None] + j, 0, last[:, None])  # [B, K+1]
-    logits, pools = model.forward(
+    logits, pools, *hidden = model.forward(
         tokens,
         positions,
         attention_fn=attention_fn,
         attention_state=state.pools,
         logits_indices=at.reshape(-1),
+        return_hidden=assistant is not None,
     )  # [B * (K + 1), V]: only these tokens are unembedded
     logits = logits.reshape(rows, k + 1, -1)
     sampling = dict(
@@ -178,9 +187,30 @@ def _step(
     # A row whose logits hold NaN or Inf (broken weights, an overflow) is flagged, never
     # silently turned into a token: read with the tokens, no extra host sync.
     finite = jnp.all(jnp.isfinite(logits) | ~used_positions[..., None], axis=(1, 2))  # [B]
-    row_logits = jnp.take_along_axis(
-        logits, (jnp.zeros_like(last) if accepted is None else accepted)[:, None, None], axis=1
-    )[:, 0]
+    picked = jnp.zeros_like(last) if accepted is None else accepted  # [B] position it emits from
+    row_logits = jnp.take_along_axis(logits, picked[:, None, None], axis=1)[:, 0]
+    proposals = None
+    if assistant is not None:
+        proposals = _assistant_drafts(
+            assistant,
+            assistant_params,
+            model,
+            hidden[0].reshape(rows, k + 1, -1),
+            picked,
+            next_tokens,
+            meta._replace(kv_lens=meta.kv_lens - inputs.num_drafts + picked),
+            make_assistant_hook=lambda m: make_attention_fn(
+                layout,
+                tables,
+                m,
+                state.k_scales,
+                state.v_scales,
+                decode=True,
+                implementation=implementation,
+            ),
+            pools=tuple(pools),
+            num_drafts=k,
+        )
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = park(layout, state, inputs.park_b)
     # Per-layer tables are donated to the next step (rewritten in place); shared-mode tables are
@@ -196,7 +226,60 @@ def _step(
         row_logits if return_logits else None,
         drafted,
         accepted,
+        proposals,
     )
+
+
+def _assistant_drafts(
+    assistant,
+    assistant_params,
+    model,
+    hidden,
+    picked,
+    last_tokens,
+    meta,
+    *,
+    make_assistant_hook,
+    pools,
+    num_drafts,
+):
+    """The next step's drafts of every row, from a Gemma 4 assistant (`gemma.Gemma4Assistant`)
+    run in this step after the target's forward and verification: i32[B, K].
+
+    A row's history after the step is meta.kv_lens (its fed tokens less the drafts it
+    rejected) and its last token, at that position, is `last_tokens`; the assistant starts
+    from that token's scaled target embedding beside the target's final hidden state of the
+    token before it (`hidden[b, picked[b]]`), attends through the target's page tables to the
+    K/V of the target's last writer of each of its layer types (positions < history; the
+    sliding window of the newest ones), stays at that position and drafts K tokens greedily,
+    feeding back its own projected state. The pools are read only (the rejected drafts' K/V
+    beyond the history is never read). Rows without tokens in the step draft nothing useful.
+    """
+    graphdef, sources = assistant
+    head = nnx.merge(graphdef, assistant_params)
+    rows = hidden.shape[0]
+    state_h = jnp.take_along_axis(hidden, picked[:, None, None], axis=1)[:, 0]  # [B, D]
+    active = meta.q_lens > 0
+    history = jnp.where(active, meta.kv_lens, 0)
+    one_each = StepMetadata(
+        active.astype(jnp.int32), jnp.arange(rows + 1, dtype=jnp.int32), history
+    )
+    target_hook = make_assistant_hook(one_each)
+
+    def hook(layer, q, k, v, pools):  # assistant layer i reads target layer sources[i]
+        return target_hook(LayerRef.of(sources[layer.like]), q, k, v, pools)
+
+    embedding = model.embedding[...]
+    scale = jnp.asarray(model.config.embed_scale, embedding.dtype)
+    token, drafts = last_tokens, []
+    for _ in range(num_drafts):
+        e = (jnp.take(embedding, token, axis=0) * scale).astype(model.dtype)
+        draft_logits, state_h, _ = head.forward(
+            e, state_h, history, attention_fn=hook, attention_state=pools
+        )
+        token = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+        drafts.append(token)
+    return jnp.stack(drafts, axis=1)
 
 
 _TRACES: collections.Counter = collections.Counter()
@@ -233,6 +316,7 @@ def step_function(
     logits: bool,
     mesh=None,
     draft_tokens: int = 0,
+    assistant=None,
 ):
     """The jitted step with its static arguments bound (state and tables donated); without a
     mesh wrapped in a `swajax._step_cache.CachedStep` (called the same way; exported steps kept
@@ -246,6 +330,9 @@ def step_function(
     tables, previous tokens, inputs and every output hold the dp replicas' arrays concatenated
     along their first axis (`ok` becomes bool[dp]) and the step runs on each replica
     (`swajax._sharding.per_replica`); the parameters are shared.
+
+    assistant: (graphdef, sources) of an in-step drafter (`_assistant_drafts`), whose
+    parameters then come as the second of the step's params (target's, assistant's).
     """
     bound = functools.partial(
         _traced_step,
@@ -256,6 +343,7 @@ def step_function(
         sampling_mode=sampling_mode,
         return_logits=logits,
         draft_tokens=draft_tokens,
+        assistant=assistant,
     )
     if mesh is None:
         options = dict(STEP_COMPILER_OPTIONS)
@@ -268,6 +356,9 @@ def step_function(
             sampling_mode,
             logits,
             draft_tokens,
+            None
+            if assistant is None
+            else [hashlib.sha256(repr(assistant[0]).encode()).hexdigest(), list(assistant[1])],
         ]
         return _step_cache.CachedStep(
             jitted,
@@ -287,6 +378,7 @@ def step_function(
         replica if logits else None,
         replica if draft_tokens else None,
         replica if draft_tokens else None,
+        replica if assistant is not None else None,
     )
     # Outputs pinned to the inputs' shardings: the donated pool roots alias in place.
     return jax.jit(

@@ -65,6 +65,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from swajax._drafter import is_in_step
 from swajax._ledger import SlotLedger
 from swajax._prefix_cache import Node, PrefixCache
 
@@ -103,6 +104,8 @@ class Request:
     error: str | None = None  # why it finished with "error"
     num_draft_tokens: int = 0  # most drafted tokens per step (0: no speculation)
     drafts: list[int] = dataclasses.field(default_factory=list)  # fed in the step in flight
+    # An in-step drafter's drafts: (the sequence length they follow, the tokens), or None.
+    proposed: tuple[int, list[int]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -201,7 +204,9 @@ class Scheduler:
       drafter: proposes the tokens of speculative decoding (`swajax._drafter`) for requests
         with `num_draft_tokens` > 0; None: no speculation. A speculating request in decode
         feeds its last token and up to that many drafted tokens in one step, and is planned
-        only once its last token was read.
+        only once its last token was read. An in-step drafter (`swajax._drafter.is_in_step`)
+        is not called: a request's drafts are those the step that drew its last token
+        returned (`update_from_output(proposals=)`).
       cut_align: without mixed steps, the multiple of tokens at which a prompt's chunk may be
         cut to the budget left (0: chunks are whole). Cuts are made only when the chunk is a
         multiple of it and only to a chunk that starts at a multiple of it, so every chunk of
@@ -393,12 +398,17 @@ class Scheduler:
     # ------------------------------------------------------------------ tokens back
 
     def update_from_output(
-        self, plan: StepPlan, tokens: dict[int, int], finite: dict[int, bool] | None = None
+        self,
+        plan: StepPlan,
+        tokens: dict[int, int],
+        finite: dict[int, bool] | None = None,
+        proposals: dict[int, list[int]] | None = None,
     ) -> list[Request]:
         """Records the tokens a step drew (row -> id, or the list of ids a row with drafts
         kept: its kept drafts, then its next token) and whether each row's logits were all
         finite (a row that was not finishes with "error": its tokens are not recorded);
-        returns the requests that changed."""
+        returns the requests that changed. proposals: an in-step drafter's drafts per row,
+        to follow the tokens recorded here."""
         changed = []
         for row, (r, index) in plan.samples.items():
             drafted = plan.drafts.get(row, 0)
@@ -433,6 +443,8 @@ class Scheduler:
                 if len(r.output) == r.max_new_tokens:
                     self._finish(r, "length")
                     break
+            if proposals is not None and row in proposals and r.status != FINISHED:
+                r.proposed = (len(r.prompt) + len(r.output), list(proposals[row]))
         return changed
 
     def _finish(self, r: Request, reason: str) -> None:
@@ -723,6 +735,12 @@ class Scheduler:
                 wanted.append((r, k))
         if not wanted:
             return {}
+        if is_in_step(self.drafter):  # drafted by the step that drew the last token
+            return {
+                r.id: r.proposed[1][:k]
+                for r, k in wanted
+                if r.proposed is not None and r.proposed[0] == r.length
+            }
         asks = [(r.tokens(0, r.length), k) for r, k in wanted]
         batch = getattr(self.drafter, "propose_batch", None)
         got = batch(asks) if batch is not None else [self.drafter.propose(*a) for a in asks]

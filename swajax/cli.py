@@ -5,7 +5,7 @@
         [--kv-cap BYTES] [--scratch on|off|auto] [--page-size N] [--max-batch N] \\
         [--dtype auto|bfloat16|float32] [--resume] [--tokenizer DIR] [--small] \\
         [--max-num-tokens N] [--prefill-chunk N] [--implementation auto|reference|pallas] \\
-        [--no-prefix-caching] [--num-draft-tokens K]
+        [--no-prefix-caching] [--num-draft-tokens K] [--drafter ngram|DIR]
     python -m swajax info --model DIR_OR_PRESET [--kv-cap BYTES] [--max-context N] ...
     python -m swajax serve --model DIR_OR_PRESET [--host 127.0.0.1] [--port 8000] \
         [--max-waiting N] [engine options of generate]
@@ -29,6 +29,7 @@ This module is an application entry point: it imports gemma (the `swajax` packag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -228,9 +229,35 @@ def _engine_options(q):
         "--num-draft-tokens",
         type=_nonnegative_int,
         default=0,
-        help="speculative decoding with prompt-lookup drafts: most drafted tokens per step "
-        "(default 0: off)",
+        help="speculative decoding: most drafted tokens per step (default 0: off)",
     )
+    q.add_argument(
+        "--drafter",
+        type=_drafter_arg,
+        default="ngram",
+        help="what drafts with --num-draft-tokens: 'ngram' (prompt lookup, the default) or the "
+        "directory of a Gemma 4 assistant checkpoint (model_type gemma4_assistant)",
+    )
+
+
+def _drafter_arg(value: str) -> str:
+    """'ngram', or a directory whose config.json is a Gemma 4 assistant's."""
+    if value == "ngram":
+        return value
+    config = Path(value) / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither 'ngram' nor a checkpoint directory with a readable "
+            f"config.json ({e})"
+        ) from e
+    if model_type != "gemma4_assistant":
+        raise argparse.ArgumentTypeError(
+            f"{str(config)!r} has model_type {model_type!r}; a drafter checkpoint is a Gemma 4 "
+            "assistant's (gemma4_assistant)"
+        )
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -318,6 +345,7 @@ def run(argv=None) -> GenerateSummary | dict:
         small=args.small,
         seed=args.seed,
     )
+    config = _with_drafter(args, config, model)
     summary = generate_jsonl(
         model,
         tokenizer,
@@ -349,6 +377,15 @@ def _engine_config(args, cfg: KVCacheConfig) -> EngineConfig:
     )
 
 
+def _with_drafter(args, config: EngineConfig, model) -> EngineConfig:
+    """config with --drafter's assistant loaded (in the model's dtype) when it names one."""
+    if args.drafter == "ngram":
+        return config
+    from gemma._assistant import load_assistant
+
+    return dataclasses.replace(config, drafter=load_assistant(args.drafter, dtype=model.dtype))
+
+
 def _serve(args, cfg: KVCacheConfig) -> None:
     from swajax._engine import Engine
     from swajax.serve import serve
@@ -357,7 +394,7 @@ def _serve(args, cfg: KVCacheConfig) -> None:
     model, tokenizer = load_model(
         args.model, tokenizer_dir=args.tokenizer, dtype=args.dtype, small=args.small
     )
-    engine = Engine(model, config)
+    engine = Engine(model, _with_drafter(args, config, model))
     serve(
         engine,
         tokenizer,

@@ -10,6 +10,7 @@ starts as NaN, so reading a block a rewind lost would show in the tokens.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -213,3 +214,64 @@ def test_an_engine_of_a_draft_model_drafts_in_its_own_pool():
         assert (stats.acceptance_rate == 1.0) == all_kept and stats.accepted_tokens > 0
         assert draft.scheduler.counters.prefix_hits > 0  # earlier calls' sequences reused
         assert all_free(engine) and all_free(draft)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+@pytest.mark.parametrize(
+    "case, scratch", [("gemma4_assistant", None), ("gemma4_assistant_ordered", True)]
+)
+def test_gemma4_assistant_drafts_in_the_step_as_its_dense_reference(case, scratch):
+    """Gemma 4's multi-token-prediction assistant (Hugging Face `Gemma4AssistantForCausalLM`,
+    random weights) drafting inside the steps of its target (the `gemma4_ple_shared`
+    checkpoint: KV-shared layers, per-layer inputs, window 8): the greedy tokens are the dense
+    forward's, and every row's drafts are those of `gemma.draft_reference` (the target's dense
+    forward and the assistant on its K/V) for the tokens the row has then; pages start NaN.
+    scratch None: the policy's default (off with an assistant); True: on, explicitly."""
+    target = gemma.from_pretrained(FIXTURES / "gemma4_ple_shared")
+    assistant = gemma.load_assistant(FIXTURES / case)
+    prompts = prompts_of([21, 9, 30], seed=5)
+    new = 12
+    expected = dense_greedy(target, prompts, new)
+    engine = swajax.Engine(
+        target,
+        kv_config(scratch, page_size=8),
+        max_context=64,
+        max_batch=3,
+        prefill_chunk_size=16,
+        max_num_tokens=32,
+        min_prefill_bucket=32,
+        implementation="reference",
+        num_draft_tokens=3,
+        drafter=assistant,
+    )
+    assert engine.layout.scratch == bool(scratch)
+    engine.state = dataclasses.replace(
+        engine.state, pools=tuple(jnp.full_like(p, jnp.nan) for p in engine.state.pools)
+    )
+    seen = []  # (request, tokens it has after the step, the step's drafts for it)
+    collect = engine.runner.collect
+
+    def recording_collect():
+        results = collect()
+        for res in results:
+            for row, (r, index) in res.plan.samples.items():
+                emitted = res.tokens(row)
+                n = index + (len(emitted) if isinstance(emitted, list) else 1)
+                seen.append((r, n, [int(t) for t in res.proposals[row]]))
+        return results
+
+    engine.runner.collect = recording_collect
+    out, stats = engine.run(prompts, new)
+    assert out == expected
+    assert stats.draft_tokens > 0
+    checked = 0
+    for r, n, drafts in seen:
+        if n > len(r.output):
+            continue  # cut by max_new_tokens: nothing follows
+        context = list(r.prompt) + r.output[:n]
+        assert drafts == gemma.draft_reference(target, assistant, context, 3), (r.id, n)
+        checked += 1
+    assert checked >= len(prompts) * 3
+    assert all_free(engine)
