@@ -14,6 +14,8 @@ per copy, as code and extraction outputs repeat their context) and "random".
 Drafters: "none" (no speculation: the baseline, the same engine with num_draft_tokens=0),
 "ngram" (prompt lookup), "model:<preset>" (an engine of a smaller preset of the same vocabulary
 drafting greedily in its own pool; random weights, so it rarely agrees with the target), and
+"assistant:<layers>" (a random Gemma 4 multi-token-prediction assistant of that many layers,
+`gemma.assistant_config_for`, drafting inside each step; Gemma 4 targets), and
 "oracle:<rate>" (the target's own greedy continuation, read from the baseline run, with tokens
 replaced so that about `rate` of the drafts are kept): with random weights no real drafter
 agrees with the target, so the oracle shows the mechanism's ceiling (rate 1.0) and its cost at
@@ -84,6 +86,17 @@ def model_of(preset: str, quick: bool, seed: int = 0):
     model = gemma.Transformer(config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
     jax.block_until_ready(nnx.state(model))
     return model
+
+
+def assistant_of(target, num_layers: int, seed: int = 2):
+    from flax import nnx
+
+    import gemma
+
+    config = gemma.assistant_config_for(target.config, num_layers=num_layers)
+    return gemma.Gemma4Assistant(
+        config, rngs=nnx.Rngs(seed), dtype=target.dtype, param_dtype=target.param_dtype
+    )
 
 
 def engine_of(model, args, batch: int, drafts: int, drafter):
@@ -167,6 +180,8 @@ def main(argv=None) -> dict:
                             draft_models[preset] = model_of(preset, args.quick, seed=1)
                         drafter = engine_of(draft_models[preset], args, batch, 0, None)
                         k = args.k
+                    elif name.startswith("assistant:"):
+                        drafter, k = assistant_of(target, int(name.split(":", 1)[1])), args.k
                     elif name.startswith("oracle:"):
                         if base is None:
                             raise RuntimeError("the oracle needs the baseline's outputs")

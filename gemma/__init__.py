@@ -13,6 +13,7 @@ import importlib
 _EXPORTS = {
     "AssistantConfig": "gemma._assistant",
     "Gemma4Assistant": "gemma._assistant",
+    "assistant_config_for": "gemma._assistant",
     "assistant_config_from_hf": "gemma._assistant",
     "draft_reference": "gemma._assistant",
     "load_assistant": "gemma._assistant",

@@ -125,6 +125,31 @@ class AssistantConfig:
         return tuple(writers[t] for t in b.layer_types)
 
 
+def assistant_config_for(
+    target: TransformerConfig, *, num_layers: int = 4, hidden_size: int | None = None, **kw
+) -> AssistantConfig:
+    """An assistant that fits `target` (a Gemma 4 config): num_layers layers (sliding ones, the
+    last full), the target's heads, K/V geometry, window, RoPE and vocabulary, width
+    hidden_size (default a quarter of the target's) and an MLP four times that; kw: the
+    other `AssistantConfig` fields. For random-weight drafters (benchmarks, tests)."""
+    d = hidden_size or max(target.hidden_size // 4, 64)
+    body = target.replace(
+        num_layers=num_layers,
+        hidden_size=d,
+        intermediate_size=4 * d,
+        layer_types=("sliding",) * (num_layers - 1) + ("full",),
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        per_layer_input_dim=0,
+        per_layer_input_vocab_size=None,
+        num_experts=0,
+        num_experts_per_token=0,
+        moe_intermediate_size=0,
+        final_logit_softcap=None,
+    )
+    return AssistantConfig(body=body, backbone_hidden_size=target.hidden_size, **kw)
+
+
 def assistant_config_from_hf(hf: dict) -> AssistantConfig:
     """An `AssistantConfig` from a "gemma4_assistant" config.json dict."""
     if hf.get("model_type") != MODEL_TYPE:
