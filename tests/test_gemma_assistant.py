@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from safetensors.numpy import load_file, save_file
 from test_generate import make_model
 
 import gemma
+from gemma import configs
+from pallas_kernels import _checks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -107,3 +110,78 @@ def test_the_cli_loads_an_assistant_drafter_and_names_a_wrong_one(target, tmp_pa
             cli._parser().parse_args(["generate", "--model", "m", "--drafter", str(bad)])
         assert e.value.code == 2
         assert why in capsys.readouterr().err
+
+
+def _assistant_geometry(name):
+    """What the assistant's lowering depends on: per layer type read, the decode kernel's
+    (head_dim, GQA group, window) (`assistant_config_for` keeps the target's heads)."""
+    c = configs.small_preset(name)
+    return tuple(
+        (t, c.type_head_dim(t), c.num_heads // c.type_num_kv_heads(t), t == "sliding")
+        for t in ("sliding", "full")
+    )
+
+
+GEMMA4 = [n for n in configs.PRESET_NAMES if configs.preset(n).family == "gemma4"]
+DISTINCT = list({_assistant_geometry(n): n for n in GEMMA4}.values())
+
+
+@pytest.mark.parametrize("name", DISTINCT)
+def test_in_step_drafting_lowers_for_cuda_at_the_preset_geometries(name):
+    """The assistant's drafting round of the step (`swajax._runner._assistant_drafts`: its
+    layers' queries through the Pallas decode kernel on the target's pool roots and page tables)
+    lowers for CUDA at each distinct Gemma 4 preset geometry (small_preset: attention geometry
+    kept)."""
+    import swajax
+    from swajax._paged import make_attention_fn
+    from swajax._runner import _assistant_drafts
+    from swajax._transforms import StepMetadata
+
+    config = configs.small_preset(name)
+    bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = gemma.Transformer(config, rngs=nnx.Rngs(0), moe_implementation="pallas", **bf16)
+    assistant = gemma.Gemma4Assistant(
+        gemma.assistant_config_for(config, num_layers=2), rngs=nnx.Rngs(1), **bf16
+    )
+    kv = swajax.KVCacheConfig(page_size=32, max_gpu_total_bytes=32 << 20)
+    engine = swajax.Engine(
+        model, kv, max_context=256, max_batch=4, implementation="pallas",
+        num_draft_tokens=3, drafter=assistant,
+    )  # fmt: skip
+    runner, layout = engine.runner, engine.layout
+    a_graphdef, a_sources = runner.assistant
+    t_graphdef, (t_params, a_params) = runner.graphdef, runner._step_params
+    rows = layout.max_batch
+
+    def draft(t_params, a_params, state, tables, hidden, picked, last, kv_lens):
+        meta = StepMetadata(jnp.ones(rows, jnp.int32), jnp.arange(rows + 1), kv_lens)
+        return _assistant_drafts(
+            (a_graphdef, a_sources),
+            a_params,
+            nnx.merge(t_graphdef, t_params),
+            hidden,
+            picked,
+            last,
+            meta,
+            make_assistant_hook=lambda m: make_attention_fn(
+                layout, tables, m, state.k_scales, state.v_scales, decode=True,
+                implementation="pallas",
+            ),
+            pools=state.pools,
+            num_drafts=3,
+        )  # fmt: skip
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        t_params,
+        a_params,
+        runner.state,
+        runner.tables,
+        sds((rows, 4, config.hidden_size), jnp.bfloat16),
+        sds((rows,), jnp.int32),
+        sds((rows,), jnp.int32),
+        sds((rows,), jnp.int32),
+    )
+    with _checks.force_compiled():
+        text = jax.jit(draft).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "pallas_kernels/_decode_kernel.py" in text, name
