@@ -74,6 +74,7 @@ class StepInputs(NamedTuple):
     top_k: jax.Array  # i32[B]
     top_p: jax.Array  # f32[B]
     num_drafts: jax.Array  # i32[B] drafted tokens each row feeds after its last token
+    propose: jax.Array  # bool[B] rows an in-step drafter drafts for (speculating, sampling)
 
 
 class StepOutput(NamedTuple):
@@ -190,26 +191,35 @@ def _step(
     picked = jnp.zeros_like(last) if accepted is None else accepted  # [B] position it emits from
     row_logits = jnp.take_along_axis(logits, picked[:, None, None], axis=1)[:, 0]
     proposals = None
-    if assistant is not None:
-        proposals = _assistant_drafts(
-            assistant,
-            assistant_params,
-            model,
-            hidden[0].reshape(rows, k + 1, -1),
-            picked,
-            next_tokens,
-            meta._replace(kv_lens=meta.kv_lens - inputs.num_drafts + picked),
-            make_assistant_hook=lambda m: make_attention_fn(
-                layout,
-                tables,
-                m,
-                state.k_scales,
-                state.v_scales,
-                decode=True,
-                implementation=implementation,
+    if assistant is not None:  # only in steps where a row wants drafts (a device-side branch)
+        draft_meta = StepMetadata(
+            jnp.where(inputs.propose, meta.q_lens, 0),
+            meta.q_starts,
+            meta.kv_lens - inputs.num_drafts + picked,
+        )
+        proposals = jax.lax.cond(
+            jnp.any(inputs.propose),
+            lambda: _assistant_drafts(
+                assistant,
+                assistant_params,
+                model,
+                hidden[0].reshape(rows, k + 1, -1),
+                picked,
+                next_tokens,
+                draft_meta,
+                make_assistant_hook=lambda m: make_attention_fn(
+                    layout,
+                    tables,
+                    m,
+                    state.k_scales,
+                    state.v_scales,
+                    decode=True,
+                    implementation=implementation,
+                ),
+                pools=tuple(pools),
+                num_drafts=k,
             ),
-            pools=tuple(pools),
-            num_drafts=k,
+            lambda: jnp.zeros((rows, k), jnp.int32),
         )
     state = advance(layout, dataclasses.replace(state, pools=tuple(pools)))
     shared, state = park(layout, state, inputs.park_b)
@@ -253,7 +263,8 @@ def _assistant_drafts(
     K/V of the target's last writer of each of its layer types (positions < history; the
     sliding window of the newest ones), stays at that position and drafts K tokens greedily,
     feeding back its own projected state. The pools are read only (the rejected drafts' K/V
-    beyond the history is never read). Rows without tokens in the step draft nothing useful.
+    beyond the history is never read). Rows with meta.q_lens 0 (no tokens, or no drafts
+    wanted) draft nothing useful.
     """
     graphdef, sources = assistant
     head = nnx.merge(graphdef, assistant_params)
@@ -453,6 +464,9 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_
     num_drafts = np.zeros(max_batch, np.int32)
     for row, n in plan.drafts.items():
         num_drafts[row] = n
+    propose = np.zeros(max_batch, bool)
+    for row, (request, _) in plan.samples.items():
+        propose[row] = request.num_draft_tokens > 0
     free_a, free_b = np.zeros(max_batch, bool), np.zeros(max_batch, bool)
     free_a[plan.free_a] = True
     free_b[plan.free_b] = True
@@ -484,6 +498,7 @@ def step_inputs(plan: StepPlan, *, num_tokens: int, layout: KVLayout, max_cache_
         top_k,
         top_p,
         num_drafts,
+        propose,
     )
 
 
