@@ -10,6 +10,20 @@ import pytest
 # (tests patch kernels at run time, which the step cache's key cannot see).
 os.environ.setdefault("SWAJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("SWAJAX_STEP_CACHE", "0")
+# XLA's CPU back end without LLVM optimisation (`jax_disable_most_optimizations`: backend
+# optimisation level 0, LLVM's expensive passes off; the HLO passes run as before, and with
+# fast-math off LLVM does not reassociate or contract floating-point operations at any level).
+# Most of the suite's time is compiling engine steps and running them on a few tokens: the
+# engine tests compile about 20 % faster (test_engine.py with test_adaptive_split.py, the two
+# side by side on 2 cores: 593 s -> 535 s, compile 495 s -> 406 s); the interpret-mode kernel
+# tests, which spend their time in the interpreter, take about as long. Set in
+# the environment too, so that the child processes of tests (a second process reading the
+# persistent cache, the 8-device process) compile alike; SWAJAX_TEST_FULL_OPT=1 turns it off.
+if os.environ.get("SWAJAX_TEST_FULL_OPT") != "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    jax.config.update(
+        "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+    )
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -60,7 +74,24 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+# The longest tests of a CPU run (about 45 to 150 s each), collected first: xdist hands out
+# the rest to whichever worker is free, so the two workers end together instead of one running
+# a two-minute test alone at the end. They hold no state other tests of their file use.
+SLOW_FIRST = (
+    "tests/test_tensor_parallel.py::test_in_eight_device_process[engines]",
+    "tests/test_experiments.py::test_swa_scratch_throughput_quick",
+    "tests/test_tensor_parallel.py::test_in_eight_device_process[loading-and-lowering]",
+    "tests/test_scan_layers.py::test_scanned_decode_runs_the_stacked_kernel_in_interpret_mode",
+    "tests/test_paged_attention.py::test_prefill_output_does_not_depend_on_a_tile_aligned_chunk"
+    "_start[q16kv1d512-full-gemma4_12b]",
+    "tests/test_grouped_matmul.py::test_tile_kernel_splits_tiles_at_the_preset_geometry_in"
+    "_interpret_mode",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {nodeid: i for i, nodeid in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest in order
     if HAS_GPU:
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
