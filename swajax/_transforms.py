@@ -428,7 +428,15 @@ def park(layout: KVLayout, state: KVPoolState, ops) -> tuple[jax.Array, KVPoolSt
         good |= ~active
         return ok & good, _select(good & active, new, st)
 
-    return jax.lax.fori_loop(0, ops.shape[0], body, (jnp.bool_(True), state))
+    return jax.lax.fori_loop(0, _ops_in_use(ops), body, (jnp.bool_(True), state))
+
+
+def _ops_in_use(ops) -> jax.Array:
+    """How many leading rows of an op list to run: up to its last row with row >= 0. A step's
+    lists are mostly empty, and each loop trip is several small device kernels (on a GPU,
+    tens of microseconds), so the loop runs only as far as its last real op."""
+    real = ops[:, 0] >= 0
+    return jnp.max(jnp.where(real, jnp.arange(1, ops.shape[0] + 1, dtype=jnp.int32), 0))
 
 
 def adopt(layout: KVLayout, state: KVPoolState, ops) -> tuple[jax.Array, KVPoolState]:
@@ -477,7 +485,7 @@ def adopt(layout: KVLayout, state: KVPoolState, ops) -> tuple[jax.Array, KVPoolS
         good |= ~active
         return ok & good, _select(good & active, new, st)
 
-    return jax.lax.fori_loop(0, ops.shape[0], body, (jnp.bool_(True), state))
+    return jax.lax.fori_loop(0, _ops_in_use(ops), body, (jnp.bool_(True), state))
 
 
 def resize(old: KVLayout, new: KVLayout, state: KVPoolState) -> tuple[jax.Array, KVPoolState]:
