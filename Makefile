@@ -26,9 +26,9 @@ run: $(VENV)/.stamp
 demo: $(VENV)/.stamp
 	$(PY) experiments/quickstart.py
 
-# A test whose xdist worker dies (XLA's CPU compiler and its executable serialiser segfault
-# now and then under jaxlib 0.11: experiments/notes/engine.md v23) runs once more in a fresh
-# worker; a test that fails is never run again.
+# A test whose xdist worker dies (XLA's CPU compiler segfaulted now and then under jaxlib 0.11,
+# mostly writing JAX's persistent cache, which the suite no longer uses: experiments/notes/
+# engine.md v23, v26) runs once more in a fresh worker; a test that fails is never run again.
 test: $(VENV)/.stamp
 	$(PY) -m ruff check swajax pallas_kernels gemma experiments tests
 	$(PY) -m ruff format --check swajax pallas_kernels gemma experiments tests

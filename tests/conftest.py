@@ -30,9 +30,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def _session_compilation_cache() -> None:
     """JAX's persistent compilation cache in a directory of this test session, shared by the
-    xdist workers: a program two tests (or two workers) compile alike is compiled once. The
-    cache keys on the compiled program itself, so a test that patches a kernel compiles its
-    own; the step cache (keyed on the source, not the program) stays off."""
+    xdist workers (opt-in: SWAJAX_TEST_COMPILATION_CACHE=1). Off by default: few of the
+    suite's programs are compiled twice (test_engine.py with test_speculative.py on 2 workers:
+    333 s with the cache, 336 s without), and writing an executable to the cache crashed XLA
+    now and then (segmentation faults in `put_executable_and_time`, an abort of the 8-device
+    child process: `experiments/notes/engine.md` v22, v26). The step cache stays off either
+    way: it keys on the source, and tests patch kernels at run time."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     path = os.path.join(tempfile.gettempdir(), f"swajax-test-jax-cache-{run}")
     os.makedirs(path, exist_ok=True)
@@ -42,21 +45,20 @@ def _session_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # A size bound turns on the cache's file lock around every read and write: without it
-    # one worker can read an entry another is still writing (a torn executable; the suite
-    # lost workers to aborts and segmentation faults in compile and cache write).
+    # one worker can read an entry another is still writing.
     jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
-if os.environ.get("SWAJAX_TEST_COMPILATION_CACHE", "1") != "0":
+if os.environ.get("SWAJAX_TEST_COMPILATION_CACHE", "0") == "1":
     _session_compilation_cache()
 
 
 @pytest.fixture
 def no_persistent_cache_writes():
-    """Compiles without writing JAX's persistent cache (reads still hit) for the test. For
-    whole engine steps that run the Mosaic GPU kernels in interpret mode: serialising such an
-    executable (its race-detection host callbacks) aborted the XLA process in two of five
-    suite runs (`experiments/notes/engine.md` v22)."""
+    """Compiles without writing JAX's persistent cache (reads still hit) for the test, when
+    the session cache is on. For whole engine steps that run the Mosaic GPU kernels in
+    interpret mode: serialising such an executable (its race-detection host callbacks)
+    aborted the XLA process in two of five suite runs (`experiments/notes/engine.md` v22)."""
     key = "jax_persistent_cache_min_compile_time_secs"
     before = getattr(jax.config, key)
     jax.config.update(key, float("inf"))
