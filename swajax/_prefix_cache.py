@@ -38,6 +38,7 @@ Pure Python: the blocks nodes name are counted by the scheduler's `SlotLedger`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from collections.abc import Callable, Collection, Sequence
 
@@ -53,10 +54,20 @@ class Node:
     children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
     last_used: int = 0
     reachable: bool = True  # False once an ancestor was evicted
+    order: int = 0  # creation order (ties of the eviction key go to the older node)
+
+    def eviction_key(self) -> tuple[bool, int, int, int]:
+        """Smallest first: unreachable, then least recently used, then deepest, then oldest."""
+        return (self.reachable, self.last_used, -self.depth, self.order)
 
 
 class PrefixCache:
     """The node tree of the cached blocks, with LRU eviction order and node ids.
+
+    The eviction order is a heap of (key, node) entries, one pushed whenever a node's key
+    changes (made, touched, cut off); entries whose node is gone or has a newer key are
+    dropped as they surface, and the heap is rebuilt when they outnumber the live ones. A
+    victim costs O(log n) plus the nodes it passes over, not a scan of every node.
 
     Args:
       page_size: tokens per block.
@@ -71,6 +82,8 @@ class PrefixCache:
         self._free_ids: list[int] = []  # ids given back; ids >= _next_id were never given
         self._next_id = 0
         self._clock = itertools.count(1)
+        self._order = itertools.count()
+        self._heap: list[tuple[tuple[bool, int, int, int], Node]] = []
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -109,9 +122,10 @@ class PrefixCache:
             if not self.free_ids:
                 break
             block = self._block(tokens, i)
-            node = Node(self._new_id(), parent, block, i + 1)
+            node = Node(self._new_id(), parent, block, i + 1, order=next(self._order))
             (parent.children if parent else self._roots)[block] = node
             self.nodes[node.id] = node
+            self._push(node)
             path.append(node)
             parent = node
         return path
@@ -134,6 +148,19 @@ class PrefixCache:
         stamp = next(self._clock)
         for node in path:
             node.last_used = stamp
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        """Enters node's current key (keys are unique: `order` differs between nodes)."""
+        if len(self._heap) > 2 * len(self.nodes) + 64:  # mostly stale entries: rebuild, which
+            self._heap = [(n.eviction_key(), n) for n in self.nodes.values()]  # holds node
+            heapq.heapify(self._heap)
+            return
+        heapq.heappush(self._heap, (node.eviction_key(), node))
+
+    def _live(self, entry) -> bool:
+        key, node = entry
+        return self.nodes.get(node.id) is node and key == node.eviction_key()
 
     def victim(
         self, frees: Callable[[int], int] | None = None, protect: Collection[Node] = ()
@@ -141,11 +168,29 @@ class PrefixCache:
         """The node to evict next: unreachable nodes first, then the least recently used, the
         deepest among equals; only nodes outside `protect` and, with `frees`, whose release
         frees a slot (frees(node id) > 0); None if there is none."""
+        passed, best = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if not self._live(entry):
+                continue
+            passed.append(entry)
+            node = entry[1]
+            if node not in protect and (frees is None or frees(node.id) > 0):
+                best = node
+                break
+        for entry in passed:  # the victim too: it stays cached until `remove`
+            heapq.heappush(self._heap, entry)
+        return best
+
+    def victim_by_scan(
+        self, frees: Callable[[int], int] | None = None, protect: Collection[Node] = ()
+    ) -> Node | None:
+        """`victim` by a scan of every node: the reference the heap is tested against."""
         best, best_key = None, None
         for node in self.nodes.values():
             if node in protect or (frees is not None and frees(node.id) == 0):
                 continue
-            key = (node.reachable, node.last_used, -node.depth)
+            key = node.eviction_key()
             if best_key is None or key < best_key:
                 best, best_key = node, key
         return best
@@ -161,7 +206,9 @@ class PrefixCache:
         stack = list(node.children.values())
         while stack:
             child = stack.pop()
-            child.reachable = False
+            if child.reachable:
+                child.reachable = False
+                self._push(child)
             stack.extend(child.children.values())
 
     def clear(self) -> list[int]:
@@ -169,5 +216,6 @@ class PrefixCache:
         ids = list(self.nodes)
         self.nodes.clear()
         self._roots.clear()
+        self._heap.clear()
         self._free_ids, self._next_id = [], 0
         return ids

@@ -61,3 +61,42 @@ def test_victim_is_unreachable_then_least_recently_used_then_deepest():
     assert again[0] is x[0] and again[2] is not x[2]
     cache.remove(x[2])  # an unreachable node leaves its re-made twin alone
     assert cache.match(seq(1, 2, 3), 3) == again
+
+
+def test_victim_heap_equals_a_scan_of_every_node_under_random_use():
+    """The indexed eviction order against the plain scan (`victim_by_scan`), through random
+    extends, touches, removals (cutting off subtrees), filters and clears; long enough for
+    the heap to be rebuilt from its live entries several times."""
+    import random
+
+    rng = random.Random(0)
+    cache = PrefixCache(PAGE, num_nodes=48)
+    checks = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35:
+            blocks = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+            path = cache.extend(seq(*blocks), len(blocks))
+            if path and rng.random() < 0.7:
+                cache.touch(path[: rng.randrange(1, len(path) + 1)])
+        elif op < 0.5 and cache.nodes:
+            cache.touch([rng.choice(list(cache.nodes.values()))])
+        elif op < 0.75 and cache.nodes:
+            nodes = list(cache.nodes.values())
+            protect = set(rng.sample(nodes, rng.randrange(0, min(4, len(nodes)) + 1)))
+            frees_set = {n.id for n in nodes if rng.random() < 0.6}
+            frees = (lambda i, f=frees_set: int(i in f)) if rng.random() < 0.5 else None
+            got = cache.victim(frees, protect)
+            assert got is cache.victim_by_scan(frees, protect), step
+            checks += 1
+            if got is not None and rng.random() < 0.8:
+                cache.remove(got)
+        elif op < 0.995 and cache.nodes:
+            victim = cache.victim_by_scan()
+            assert cache.victim() is victim, step
+            cache.remove(victim)
+            checks += 1
+        else:
+            cache.clear()
+        assert len(cache._heap) <= 2 * len(cache.nodes) + 65
+    assert checks > 1000
