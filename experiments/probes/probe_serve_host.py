@@ -106,7 +106,12 @@ def main(argv=None):
     p.add_argument("--input", type=int, default=96)
     p.add_argument("--output", type=int, default=32)
     p.add_argument("--requests", type=int, default=64, help="arrivals after the warm batch")
-    p.add_argument("--kv-mib", type=int, default=64, help="KV quota: the pool's size")
+    p.add_argument(
+        "--kv-mib",
+        type=int,
+        default=64,
+        help="KV quota (the pool is also bounded by what --rows rows can hold)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     import jax
